@@ -1,0 +1,1 @@
+//! kvx-bootstrap (to be built; see the issues).

@@ -1,0 +1,1 @@
+//! kvx-rdma (to be built; see the issues).

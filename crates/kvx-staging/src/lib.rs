@@ -1,0 +1,1 @@
+//! kvx-staging (to be built; see the issues).

@@ -1,0 +1,172 @@
+//! `cargo xtask`: every kvx chore that is not plain cargo.
+//!
+//! - `cargo xtask test`: installs what the tests need when it is missing (Debian packages, the
+//!   Python venv for the interop peers), then runs `cargo fmt --check`, clippy with `-D warnings`,
+//!   every test of the workspace (nextest when present, doc tests too).
+//! - `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target for a bounded time.
+//! - `cargo xtask bench [transport]`: the benchmarks anyone can rerun.
+//! - `cargo xtask integration`: multi-process fault runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+mod setup;
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "kvx chores")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Set up what is missing, then fmt, clippy and every test.
+    Test {
+        /// Skip installing packages and the venv (assume they are there).
+        #[arg(long)]
+        no_setup: bool,
+    },
+    /// Install the Debian packages and the Python venv the tests need.
+    Setup,
+    /// Run every fuzz target for a bounded time.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+    },
+    /// Run the benchmarks (`transport` for the transport table only).
+    Bench {
+        /// Which benchmark group; all when absent.
+        what: Option<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = project_root();
+    std::env::set_current_dir(&root)?;
+    match cli.cmd {
+        Cmd::Test { no_setup } => {
+            if !no_setup {
+                setup::ensure_all(&root)?;
+            }
+            test(&root)
+        }
+        Cmd::Setup => setup::ensure_all(&root),
+        Cmd::Fuzz { seconds } => fuzz(&root, seconds),
+        Cmd::Bench { what } => bench(what.as_deref()),
+    }
+}
+
+/// The workspace root (the parent of this crate's folder).
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Runs a command, failing with its name when it exits non-zero.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: running {cmd:?}");
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn has_nextest() -> bool {
+    cargo()
+        .args(["nextest", "--version"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn test(root: &Path) -> Result<()> {
+    let venv_bin = root.join(".venv/bin");
+    let path = format!(
+        "{}:{}",
+        venv_bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    run(cargo()
+        .args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--all-features",
+            "--",
+        ])
+        .args(["-D", "warnings"]))?;
+    if has_nextest() {
+        run(cargo()
+            .env("PATH", &path)
+            .env("KVX_PYTHON", venv_bin.join("python3"))
+            .args(["nextest", "run", "--workspace", "--all-features"])
+            .args(["--no-fail-fast", "--failure-output", "final"]))?;
+    } else {
+        run(cargo()
+            .env("PATH", &path)
+            .env("KVX_PYTHON", venv_bin.join("python3"))
+            .args([
+                "test",
+                "--workspace",
+                "--all-features",
+                "--lib",
+                "--bins",
+                "--tests",
+            ]))?;
+    }
+    run(cargo()
+        .env("PATH", &path)
+        .args(["test", "--workspace", "--all-features", "--doc"]))?;
+    eprintln!("xtask: all tests passed");
+    Ok(())
+}
+
+fn fuzz(root: &Path, seconds: u64) -> Result<()> {
+    let fuzz_dir = root.join("fuzz");
+    if !fuzz_dir.join("Cargo.toml").exists() {
+        bail!("no fuzz targets yet (fuzz/Cargo.toml missing)");
+    }
+    setup::ensure_cargo_fuzz()?;
+    let list = cargo()
+        .current_dir(&fuzz_dir)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .args(["fuzz", "list"])
+        .output()?;
+    let targets = String::from_utf8_lossy(&list.stdout).to_string();
+    for target in targets.lines().map(str::trim).filter(|t| !t.is_empty()) {
+        run(cargo()
+            .current_dir(&fuzz_dir)
+            .env("RUSTC_BOOTSTRAP", "1")
+            .args([
+                "fuzz",
+                "run",
+                target,
+                "--",
+                &format!("-max_total_time={seconds}"),
+            ]))?;
+    }
+    Ok(())
+}
+
+fn bench(what: Option<&str>) -> Result<()> {
+    match what {
+        None => run(cargo().args(["bench", "-p", "kvx-benches"])),
+        Some(group) => run(cargo().args(["bench", "-p", "kvx-benches", "--bench", group])),
+    }
+}
