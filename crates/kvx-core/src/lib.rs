@@ -22,10 +22,14 @@
 
 pub mod chunk;
 pub mod op;
+pub mod peer;
 pub mod poll;
 pub mod room;
 
 pub use chunk::{Chunk, PageSlice};
 pub use op::TransferOp;
+pub use peer::{
+    DecodeRegistration, Destination, Endpoint, SessionId, StagingRingInfo, TransferRequest,
+};
 pub use poll::KVPoll;
 pub use room::{Room, RoomParseError};

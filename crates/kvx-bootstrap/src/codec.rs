@@ -1,0 +1,1 @@
+//! Sans-IO codec for sglang multipart messages (being built).

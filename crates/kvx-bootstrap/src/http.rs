@@ -1,0 +1,1 @@
+//! HTTP bootstrap server and client (being built).

@@ -1,0 +1,1 @@
+//! ZMQ sockets (being built).

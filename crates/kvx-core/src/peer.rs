@@ -1,0 +1,190 @@
+//! What a decode rank tells a prefill rank about itself: its endpoint, its transfer session, the
+//! memory it registered (once per session) and, per request, where a room's KV must go.
+//!
+//! These are the owned, typed forms of sglang's registration (`None`) and per-request metadata
+//! messages. `kvx-bootstrap` parses ZMQ frames into them and encodes them back; the room managers
+//! in this crate consume them. Nothing here knows about frames or sockets.
+
+use std::fmt;
+
+use crate::Room;
+
+/// A ZMQ endpoint of a rank's PULL inbox: host (IPv4, IPv6 without brackets, or a name) and port.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Endpoint {
+    /// Host as sent on the wire (frame 1), IPv6 without brackets.
+    pub host: String,
+    /// PULL port (frame 2).
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// A new endpoint.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Endpoint {
+            host: host.into(),
+            port,
+        }
+    }
+
+    /// True when the host is an IPv6 literal (contains a colon).
+    pub fn is_ipv6(&self) -> bool {
+        self.host.contains(':')
+    }
+
+    /// The ZMQ address as sglang writes it: `tcp://host:port`, IPv6 hosts bracketed.
+    pub fn zmq_addr(&self) -> String {
+        if self.is_ipv6() {
+            format!("tcp://[{}]:{}", self.host, self.port)
+        } else {
+            format!("tcp://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_ipv6() {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// A decode rank's transfer-engine session id, `"{ip}:{port}"` (`"[v6]:port"` for IPv6). Opaque
+/// to kvx except for the port suffix, which sglang uses for queue sharding.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(pub String);
+
+impl SessionId {
+    /// A new session id.
+    pub fn new(s: impl Into<String>) -> Self {
+        SessionId(s.into())
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The integer after the last `:` (the transfer-engine RPC port), if any.
+    pub fn port(&self) -> Option<u64> {
+        self.0.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A decode rank's staging ring as advertised in registration frames 14 and 15.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct StagingRingInfo {
+    /// Base address (frame 14, 8 bytes LE) if sent.
+    pub base: Option<u64>,
+    /// Total size in bytes (frame 15) if sent.
+    pub size: Option<u64>,
+}
+
+impl StagingRingInfo {
+    /// sglang treats staging as advertised iff the base is present or the size non-empty.
+    pub fn advertised(&self) -> bool {
+        self.base.is_some() || self.size.is_some()
+    }
+}
+
+/// A decode rank's KV-args registration (sglang's `None` message, sent once per session).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeRegistration {
+    /// Where status and other prefill→decode messages go.
+    pub endpoint: Endpoint,
+    /// The decode's transfer session id.
+    pub session: SessionId,
+    /// One address per KV buffer (MHA: K layers, then V layers, then draft buffers).
+    pub kv_ptrs: Vec<u64>,
+    /// One address per aux (metadata) buffer.
+    pub aux_ptrs: Vec<u64>,
+    /// Per state component, its buffer addresses.
+    pub state_ptrs: Vec<Vec<u64>>,
+    /// The decode's attention-TP rank (`engine_rank % attn_tp_size`).
+    pub dst_tp_rank: u32,
+    /// The decode's attention-TP size.
+    pub dst_attn_tp_size: u32,
+    /// Bytes per page of one KV buffer on the decode (0 when it has no KV).
+    pub dst_kv_item_len: u64,
+    /// Per state component, item lengths.
+    pub state_item_lens: Vec<Vec<u32>>,
+    /// Per state component, dimension per tensor.
+    pub state_dim_per_tensor: Vec<Vec<u32>>,
+    /// Global layer id per KV buffer (empty for plain pools).
+    pub kv_layer_ids: Vec<u32>,
+    /// Per state component, layer ids.
+    pub state_layer_ids: Vec<Vec<u32>>,
+    /// Staging ring, if advertised.
+    pub staging: StagingRingInfo,
+    /// Decode context-parallel size (default 1).
+    pub dcp_size: u32,
+    /// Decode context-parallel rank (default 0).
+    pub dcp_rank: u32,
+    /// Staging slot layer ids (u64 per slot; later sglang only). `None` when the frame is absent.
+    pub staging_slot_layer_ids: Option<Vec<u64>>,
+}
+
+/// Where one room's data goes on one decode rank (absent for a dummy destination).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Destination {
+    /// Destination KV page ids for the pages after the decode prefix (suffix-relative order).
+    pub kv_pages: Vec<i32>,
+    /// The decode's aux (metadata) row for this room.
+    pub aux_index: i64,
+    /// Destination state indices, one list per state component.
+    pub state_indices: Vec<Vec<i32>>,
+}
+
+/// Per-request transfer metadata from one decode rank (frame 0 = room).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// The room.
+    pub room: Room,
+    /// The decode rank's endpoint.
+    pub endpoint: Endpoint,
+    /// The decode rank's session.
+    pub session: SessionId,
+    /// Where the data goes; `None` when this prefill rank is a dummy for the room.
+    pub dst: Option<Destination>,
+    /// How many decode sessions this prefill rank must hear from for the room.
+    pub required_dst_info_num: u32,
+    /// Decode radix-cache prefix in tokens (`None` when the frame is absent or empty).
+    pub decode_prefix_len: Option<u64>,
+    /// Device-side KV page ids (frame 9; HiSparse only), usually empty.
+    pub device_kv_pages: Vec<i32>,
+}
+
+impl TransferRequest {
+    /// True for a dummy destination (no data, no status message).
+    pub fn is_dummy(&self) -> bool {
+        self.dst.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_and_sessions() {
+        assert_eq!(
+            Endpoint::new("10.0.0.2", 41235).zmq_addr(),
+            "tcp://10.0.0.2:41235"
+        );
+        assert_eq!(
+            Endpoint::new("fe80::1", 5555).zmq_addr(),
+            "tcp://[fe80::1]:5555"
+        );
+        assert_eq!(SessionId::new("[fe80::1]:15234").port(), Some(15234));
+        assert_eq!(SessionId::new("nocolon").port(), None);
+    }
+}
