@@ -1,1 +1,35 @@
-//! kvx-rdma (to be built; see the issues).
+//! # kvx-rdma
+//!
+//! The data plane of kvx: one [`Transport`] trait and its backends. A side registers its memory
+//! once ([`Transport::register`] → a [`RegionKey`]), publishes a [`SegmentDescriptor`] (endpoint
+//! and regions), and a sender opens a [`Session`] to a peer and posts batches of one-sided writes
+//! ([`kvx_core::TransferOp`]: local src, remote dst, len), each completing once with one result.
+//!
+//! Backends: `tcp` (the default, kvx's own framed protocol, see `docs/tcp-transport.md`),
+//! `local` (same process: memcpy into the peer's registered memory), and `verbs` (RDMA, cargo
+//! feature `verbs`).
+//!
+//! ```
+//! use kvx_rdma::{RegionDesc, RegionKey, SegmentDescriptor};
+//!
+//! let d = SegmentDescriptor {
+//!     endpoint: "10.0.0.2:17000".into(),
+//!     regions: vec![RegionDesc { base: 0x10000, len: 4096, key: RegionKey(9) }],
+//! };
+//! let wire = d.encode();
+//! assert_eq!(SegmentDescriptor::decode(&wire).unwrap(), d);
+//! // The sender finds the key of the region containing each destination.
+//! assert_eq!(d.find(0x10800, 256).unwrap().key, RegionKey(9));
+//! assert!(d.find(0x10f00, 512).is_none());
+//! ```
+
+pub mod error;
+pub mod mem;
+pub mod segment;
+pub mod transport;
+#[cfg(feature = "verbs")]
+pub mod verbs;
+
+pub use error::{RejectReason, TransportError};
+pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
+pub use transport::{BatchReport, BoxFuture, Session, Transport, write_to};

@@ -1,0 +1,95 @@
+//! The `Transport` trait every data-plane backend implements (tcp, local, verbs).
+//!
+//! The model is RDMA's: a side registers its memory once and gets a key per region; it publishes
+//! a [`SegmentDescriptor`] (endpoint + regions + keys); a sender opens a [`Session`] to a peer
+//! (named by its endpoint string, `host:port` for tcp), which hands back the peer's descriptor,
+//! and then posts batches of one-sided writes ([`TransferOp`]: local src, remote dst, len). Each
+//! batch completes once, with one result. Registration never happens per transfer.
+//!
+//! Both traits are object safe (futures are boxed) so a driver can hold an `Arc<dyn Transport>`
+//! chosen at run time and share sessions (`Arc<dyn Session>`) between tasks.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use kvx_core::TransferOp;
+
+use crate::error::TransportError;
+use crate::segment::{RegionKey, SegmentDescriptor};
+
+/// A boxed, sendable future (what the object-safe traits return).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a completed batch moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Number of ops in the batch.
+    pub ops: u64,
+    /// Bytes written to the peer.
+    pub bytes: u64,
+}
+
+/// A data-plane backend: memory registration, the local descriptor, sessions to peers.
+pub trait Transport: Send + Sync + 'static {
+    /// The backend's name (`"tcp"`, `"local"`, `"verbs"`).
+    fn kind(&self) -> &'static str;
+
+    /// Registers `[addr, addr + len)` so that peers may write into it (and so that it may be
+    /// used as a source). Returns the region's key. Regions may not overlap.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must be memory of this process that stays allocated, readable and
+    /// writable until [`Transport::deregister`] returns and no batch that touches it is still
+    /// in flight. The transport reads from it and writes into it from other threads at any time
+    /// while it is registered; the caller must not rely on its contents while a peer may write.
+    unsafe fn register(&self, addr: u64, len: u64) -> Result<RegionKey, TransportError>;
+
+    /// Forgets a region: later writes naming its key are rejected.
+    fn deregister(&self, key: RegionKey) -> Result<(), TransportError>;
+
+    /// The local descriptor: endpoint and the currently registered regions.
+    fn descriptor(&self) -> SegmentDescriptor;
+
+    /// The string peers use to reach this side (what a decode publishes as its session id).
+    fn endpoint(&self) -> String;
+
+    /// Opens (or reuses) a session to the peer at `peer`, handshaking to learn its descriptor.
+    fn connect<'a>(
+        &'a self,
+        peer: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn Session>, TransportError>>;
+}
+
+/// A live association with one peer: post batches of writes into its registered memory.
+pub trait Session: Send + Sync + 'static {
+    /// The peer as it was named in [`Transport::connect`].
+    fn peer(&self) -> &str;
+
+    /// The peer's descriptor as learnt in the handshake.
+    fn remote(&self) -> &SegmentDescriptor;
+
+    /// Posts one batch of writes and resolves once all of them are in the peer's memory (or the
+    /// batch failed). Every `src` range must be inside a locally registered region and every
+    /// `dst` range inside one of the peer's regions; otherwise the batch fails before any byte
+    /// moves. Batches of any size are accepted; the backend bounds what is in flight.
+    fn write_batch(
+        &self,
+        ops: Vec<TransferOp>,
+    ) -> BoxFuture<'static, Result<BatchReport, TransportError>>;
+
+    /// False once the session is known to be broken (its peer lost); a later
+    /// [`Transport::connect`] then opens a fresh one.
+    fn is_alive(&self) -> bool;
+}
+
+/// Convenience: connect (or reuse) and post one batch.
+pub async fn write_to(
+    transport: &dyn Transport,
+    peer: &str,
+    ops: Vec<TransferOp>,
+) -> Result<BatchReport, TransportError> {
+    let session = transport.connect(peer).await?;
+    session.write_batch(ops).await
+}
