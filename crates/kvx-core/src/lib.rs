@@ -21,15 +21,22 @@
 //! ```
 
 pub mod chunk;
+pub mod layout;
 pub mod op;
 pub mod peer;
+pub mod planner;
 pub mod poll;
 pub mod room;
 
 pub use chunk::{Chunk, PageSlice};
+pub use layout::{
+    AttentionKind, AuxLayout, Buffer, KvLayout, LayoutError, StateComponent, StateKind,
+    fill_room_row,
+};
 pub use op::TransferOp;
 pub use peer::{
     DecodeRegistration, Destination, Endpoint, SessionId, StagingRingInfo, TransferRequest,
 };
+pub use planner::{BatchLimits, Plan, PlanError, PlanPart};
 pub use poll::KVPoll;
 pub use room::{Room, RoomParseError};

@@ -1,0 +1,276 @@
+//! The heterogeneous attention-TP plan (sglang's `send_kvcache_slice`): per token, the slice of
+//! KV heads one decode rank owns.
+//!
+//! With `T` total KV heads, prefill TP size `Pt` and decode TP size `Dt`: `hs = max(1, T/Pt)`
+//! heads per prefill rank, `hd = max(1, T/Dt)` per decode rank, and `bph` bytes per head per token,
+//! taken from the **decode** item length (`dst_item_len / page_size / hd`). When `Pt > Dt` a prefill
+//! rank sends all its `hs` heads into the decode at head offset `((lr / max(1, Pt/T))·hs) % hd`;
+//! when `Pt ≤ Dt` it sends `hd` heads starting at local head `((dr / max(1, Dt/T))·hd) % hs`.
+//! Guard: the slice must fit in one token on both sides. One op per (K/V buffer, page, token slot);
+//! coalescing (see [`super::batch::Coalesce`]) merges neighbours when the slice spans whole tokens.
+
+use super::pairing::{LayerPair, pair_layers};
+use super::{PlanError, Side, check_span, nonneg};
+use crate::TransferOp;
+use crate::layout::KvLayout;
+
+/// Tensor-parallel geometry of one prefill rank and one decode rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadSliceParams {
+    /// Total KV heads of the model (`T`).
+    pub total_kv_heads: u32,
+    /// Prefill attention-TP size (`Pt`).
+    pub src_tp_size: u32,
+    /// Prefill attention-TP rank.
+    pub src_tp_rank: u32,
+    /// Decode attention-TP size (`Dt`).
+    pub dst_tp_size: u32,
+    /// Decode attention-TP rank.
+    pub dst_tp_rank: u32,
+}
+
+/// The derived slice geometry: which heads, how many bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadSlice {
+    /// Byte offset of the slice inside a source token.
+    pub src_offset: u64,
+    /// Byte offset of the slice inside a destination token.
+    pub dst_offset: u64,
+    /// Bytes per token (`n_heads · bph`).
+    pub len: u64,
+}
+
+impl HeadSliceParams {
+    /// Computes the slice for source/destination page item lengths and the page size.
+    pub fn slice(
+        &self,
+        src_item_len: u64,
+        dst_item_len: u64,
+        page_size: u32,
+    ) -> Result<HeadSlice, PlanError> {
+        let (t, pt, dt) = (
+            u64::from(self.total_kv_heads),
+            u64::from(self.src_tp_size),
+            u64::from(self.dst_tp_size),
+        );
+        let ps = u64::from(page_size);
+        if t == 0 || pt == 0 || dt == 0 || ps == 0 {
+            return Err(PlanError::HeadSliceConfig(
+                "zero heads, TP size or page size",
+            ));
+        }
+        let hs = (t / pt).max(1);
+        let hd = (t / dt).max(1);
+        let bph = dst_item_len / ps / hd;
+        if bph == 0 {
+            return Err(PlanError::HeadSliceConfig(
+                "decode item length below one head",
+            ));
+        }
+        let lr = u64::from(self.src_tp_rank) % pt;
+        let dr = u64::from(self.dst_tp_rank) % dt;
+        let (n_heads, src_head, dst_head) = if pt > dt {
+            (hs, 0, ((lr / (pt / t).max(1)) * hs) % hd)
+        } else {
+            (hd, ((dr / (dt / t).max(1)) * hd) % hs, 0)
+        };
+        let len = n_heads * bph;
+        let dst_token = dst_item_len / ps;
+        let src_token = src_item_len / ps;
+        if dst_head * bph + len > dst_token {
+            return Err(PlanError::HeadSliceGuard {
+                need: dst_head * bph + len,
+                have: dst_token,
+            });
+        }
+        if src_head * bph + len > src_token {
+            return Err(PlanError::HeadSliceGuard {
+                need: src_head * bph + len,
+                have: src_token,
+            });
+        }
+        Ok(HeadSlice {
+            src_offset: src_head * bph,
+            dst_offset: dst_head * bph,
+            len,
+        })
+    }
+}
+
+/// K/V buffer pairs × page pairs × token slots, validated; ops generated on demand.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadSlicePlan {
+    pairs: Vec<LayerPair>,
+    pages: Vec<(u64, u64)>,
+    page_size: u64,
+    src_item: u64,
+    dst_item: u64,
+    slice: HeadSlice,
+}
+
+impl HeadSlicePlan {
+    /// Number of ops (`pairs × pages × page_size`).
+    pub fn num_ops(&self) -> u64 {
+        self.pairs.len() as u64 * self.pages.len() as u64 * self.page_size
+    }
+
+    /// Total bytes copied.
+    pub fn total_bytes(&self) -> u64 {
+        self.num_ops() * self.slice.len
+    }
+
+    /// The slice geometry.
+    pub fn slice(&self) -> HeadSlice {
+        self.slice
+    }
+
+    /// The ops: per buffer pair, per page pair, per token slot.
+    pub fn ops(&self) -> impl Iterator<Item = TransferOp> + '_ {
+        let ps = self.page_size;
+        let (src_tok, dst_tok) = (self.src_item / ps, self.dst_item / ps);
+        let s = self.slice;
+        self.pairs.iter().flat_map(move |p| {
+            self.pages.iter().flat_map(move |&(sp, dp)| {
+                (0..ps).map(move |t| {
+                    TransferOp::new(
+                        p.src.addr + sp * self.src_item + t * src_tok + s.src_offset,
+                        p.dst.addr + dp * self.dst_item + t * dst_tok + s.dst_offset,
+                        s.len,
+                    )
+                })
+            })
+        })
+    }
+}
+
+/// Plans one chunk on the head-slice path. Only target K/V buffers are sent (no drafts), paired
+/// as on the equal-TP path; source item length from the prefill layout, destination item length
+/// from the decode's registration (`dst.item_len()`).
+pub fn plan_kv_head_slice(
+    src: &KvLayout,
+    dst: &KvLayout,
+    params: &HeadSliceParams,
+    src_pages: &[i32],
+    dst_pages: &[i32],
+) -> Result<HeadSlicePlan, PlanError> {
+    if src_pages.len() != dst_pages.len() {
+        return Err(PlanError::LengthMismatch {
+            src: src_pages.len(),
+            dst: dst_pages.len(),
+        });
+    }
+    let pairs = pair_layers(src, dst, false)?;
+    let src_item = src.item_len();
+    let dst_item = dst.item_len();
+    let slice = params.slice(src_item, dst_item, src.page_size)?;
+    let mut pages = Vec::with_capacity(src_pages.len());
+    let (mut src_end, mut dst_end) = (0u64, 0u64);
+    for (i, (&s, &d)) in src_pages.iter().zip(dst_pages).enumerate() {
+        let s = nonneg(Side::Src, i, s)?;
+        let d = nonneg(Side::Dst, i, d)?;
+        src_end = src_end.max(s + 1);
+        dst_end = dst_end.max(d + 1);
+        pages.push((s, d));
+    }
+    if !pages.is_empty() {
+        let mul = |side, buffer, a: u64, b: u64| {
+            a.checked_mul(b).ok_or(PlanError::OutOfBounds {
+                side,
+                buffer,
+                end: u64::MAX,
+                capacity: u64::MAX,
+            })
+        };
+        for p in &pairs {
+            if p.src.item_len != src_item || p.dst.item_len != dst_item {
+                return Err(PlanError::HeadSliceConfig(
+                    "head-slice path needs one item length per side",
+                ));
+            }
+            let s = mul(Side::Src, p.src_index, src_end, src_item)?;
+            check_span(Side::Src, p.src_index, p.src.addr, p.src.len, 0, s)?;
+            let d = mul(Side::Dst, p.dst_index, dst_end, dst_item)?;
+            check_span(Side::Dst, p.dst_index, p.dst.addr, p.dst.len, 0, d)?;
+        }
+    }
+    Ok(HeadSlicePlan {
+        pairs,
+        pages,
+        page_size: u64::from(src.page_size),
+        src_item,
+        dst_item,
+        slice,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 8 KV heads × 128 dims bf16 = 256 bytes per head per token.
+    const HEAD: u64 = 256;
+
+    #[test]
+    fn one_prefill_to_two_decodes() {
+        // Pt=1 holds 8 heads; Dt=2, each decode rank holds 4 heads. Page size 2.
+        let src = KvLayout::mha_contiguous(0x1000_0000, 1, 8 * HEAD * 2, 16, 2);
+        let dst = KvLayout::mha_contiguous(0x9000_0000, 1, 4 * HEAD * 2, 16, 2);
+        let params = HeadSliceParams {
+            total_kv_heads: 8,
+            src_tp_size: 1,
+            src_tp_rank: 0,
+            dst_tp_size: 2,
+            dst_tp_rank: 1,
+        };
+        let plan = plan_kv_head_slice(&src, &dst, &params, &[3], &[5]).unwrap();
+        assert_eq!(
+            plan.slice(),
+            HeadSlice {
+                src_offset: 4 * HEAD,
+                dst_offset: 0,
+                len: 4 * HEAD
+            }
+        );
+        let ops: Vec<TransferOp> = plan.ops().collect();
+        assert_eq!(ops.len(), 4); // K, V × 2 token slots
+        assert_eq!(
+            ops[1],
+            TransferOp::new(
+                0x1000_0000 + 3 * 4096 + 2048 + 1024,
+                0x9000_0000 + 5 * 2048 + 1024,
+                1024
+            )
+        );
+        assert_eq!(plan.total_bytes(), 4 * 1024);
+    }
+
+    #[test]
+    fn two_prefills_to_one_decode_and_guard() {
+        let src = KvLayout::mha_contiguous(0x1000_0000, 2, 4 * HEAD, 16, 1);
+        let dst = KvLayout::mha_contiguous(0x9000_0000, 2, 8 * HEAD, 16, 1);
+        let params = HeadSliceParams {
+            total_kv_heads: 8,
+            src_tp_size: 2,
+            src_tp_rank: 1,
+            dst_tp_size: 1,
+            dst_tp_rank: 0,
+        };
+        let s = params.slice(4 * HEAD, 8 * HEAD, 1).unwrap();
+        assert_eq!((s.src_offset, s.dst_offset, s.len), (0, 4 * HEAD, 4 * HEAD));
+        let plan = plan_kv_head_slice(&src, &dst, &params, &[1, 2], &[7, 8]).unwrap();
+        assert_eq!(plan.num_ops(), 2 * 2 * 2);
+        // Prefill tokens too small for the slice the decode expects: the guard trips.
+        let tiny = KvLayout::mha_contiguous(0x1000_0000, 2, 2 * HEAD, 16, 1);
+        assert!(matches!(
+            plan_kv_head_slice(&tiny, &dst, &params, &[1], &[7]),
+            Err(PlanError::HeadSliceGuard { .. })
+        ));
+        assert!(matches!(
+            plan_kv_head_slice(&src, &dst, &params, &[16], &[7]),
+            Err(PlanError::OutOfBounds {
+                side: Side::Src,
+                ..
+            })
+        ));
+    }
+}
