@@ -1,0 +1,315 @@
+//! The bootstrap registry as a deterministic state machine: prefill ranks register, decodes
+//! look them up, prefill senders record which DP rank serves a room, and old room entries are
+//! swept. No I/O and no clock: every call that needs time takes `now`.
+//!
+//! Semantics follow sglang's bootstrap server (spec §1.2): topology scalars are
+//! first-writer-wins, every `PUT /route` increments the registered count (a restarted rank
+//! double counts, as in sglang), and the instance is ready once all four sizes are known and
+//! `registered >= dp·cp·tp·pp`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::types::{PrefillServerInfo, RankInfo, RankRegistration};
+
+/// The four coordinates of a `GET /route` query (`-1` in all four is the sentinel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RouteQuery {
+    /// `prefill_dp_rank`.
+    pub dp_rank: i64,
+    /// `prefill_cp_rank`.
+    pub cp_rank: i64,
+    /// `target_tp_rank`.
+    pub tp_rank: i64,
+    /// `target_pp_rank`.
+    pub pp_rank: i64,
+}
+
+impl RouteQuery {
+    /// The all-minus-one query that asks for the topology.
+    pub const SENTINEL: RouteQuery = RouteQuery {
+        dp_rank: -1,
+        cp_rank: -1,
+        tp_rank: -1,
+        pp_rank: -1,
+    };
+
+    /// True for the all-minus-one sentinel.
+    pub fn is_sentinel(&self) -> bool {
+        *self == Self::SENTINEL
+    }
+}
+
+/// What a `GET /route` resolves to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteAnswer {
+    /// Not every rank registered yet; carries the registered count (HTTP 503).
+    NotReady(u64),
+    /// The topology, for the sentinel query (HTTP 200).
+    Topology(Box<PrefillServerInfo>),
+    /// The inbox of the requested rank (HTTP 200).
+    Rank(RankInfo),
+    /// No rank registered at those coordinates (HTTP 404).
+    NotFound,
+}
+
+/// Topology scalars, each set by the first registration that carries it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Topology {
+    attn_tp_size: Option<u32>,
+    attn_cp_size: Option<u32>,
+    dp_size: Option<u32>,
+    pp_size: Option<u32>,
+    page_size: Option<u64>,
+    kv_cache_dtype: Option<String>,
+    prefill_http_port: Option<u16>,
+    follow_bootstrap_room: Option<bool>,
+    enable_dsa_cache_layer_split: Option<bool>,
+}
+
+fn set_once<T>(slot: &mut Option<T>, value: Option<T>) {
+    if slot.is_none() {
+        *slot = value;
+    }
+}
+
+/// The bootstrap server's whole state.
+#[derive(Debug, Default)]
+pub struct Registry {
+    topology: Topology,
+    ranks: HashMap<(i64, i64, i64, i64), RankInfo>,
+    registered: u64,
+    room_to_dp_rank: HashMap<u64, (i64, Instant)>,
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records a `PUT /route` registration.
+    pub fn register_rank(&mut self, r: &RankRegistration) {
+        let t = &mut self.topology;
+        set_once(&mut t.attn_tp_size, Some(r.attn_tp_size));
+        set_once(&mut t.attn_cp_size, Some(r.attn_cp_size));
+        set_once(&mut t.dp_size, Some(r.dp_size()));
+        set_once(&mut t.pp_size, Some(r.pp_size));
+        set_once(&mut t.page_size, r.page_size);
+        set_once(&mut t.kv_cache_dtype, r.kv_cache_dtype.clone());
+        set_once(&mut t.prefill_http_port, r.prefill_http_port);
+        set_once(
+            &mut t.follow_bootstrap_room,
+            Some(r.follow_bootstrap_room()),
+        );
+        set_once(
+            &mut t.enable_dsa_cache_layer_split,
+            Some(r.enable_dsa_cache_layer_split.unwrap_or(false)),
+        );
+        let key = (
+            i64::from(r.dp_group()),
+            i64::from(r.attn_cp_rank),
+            i64::from(r.attn_tp_rank),
+            i64::from(r.pp_rank),
+        );
+        self.ranks.insert(
+            key,
+            RankInfo {
+                rank_ip: r.rank_ip.clone(),
+                rank_port: r.rank_port,
+            },
+        );
+        self.registered += 1;
+    }
+
+    /// How many `PUT /route` calls were recorded (re-registrations included).
+    pub fn registered(&self) -> u64 {
+        self.registered
+    }
+
+    /// The number of ranks the instance has, once all four sizes are known.
+    pub fn expected(&self) -> Option<u64> {
+        let t = &self.topology;
+        Some(
+            u64::from(t.dp_size?)
+                * u64::from(t.attn_cp_size?)
+                * u64::from(t.attn_tp_size?)
+                * u64::from(t.pp_size?),
+        )
+    }
+
+    /// True once all four sizes are known and at least that many registrations arrived.
+    pub fn is_ready(&self) -> bool {
+        self.expected().is_some_and(|n| self.registered >= n)
+    }
+
+    /// The topology as the sentinel query returns it, if all sizes are known.
+    pub fn topology(&self) -> Option<PrefillServerInfo> {
+        let t = &self.topology;
+        Some(PrefillServerInfo {
+            attn_tp_size: t.attn_tp_size?,
+            attn_cp_size: t.attn_cp_size?,
+            dp_size: t.dp_size?,
+            pp_size: t.pp_size?,
+            page_size: t.page_size,
+            kv_cache_dtype: t.kv_cache_dtype.clone(),
+            follow_bootstrap_room: t.follow_bootstrap_room.unwrap_or(true),
+            enable_dsa_cache_layer_split: t.enable_dsa_cache_layer_split.unwrap_or(false),
+            prefill_http_port: t.prefill_http_port,
+            target_tp_rank: None,
+            target_tp_ranks: None,
+            target_cp_ranks: None,
+            target_pp_ranks: None,
+            required_dst_info_num: None,
+            required_prefill_response_num: None,
+        })
+    }
+
+    /// Resolves a `GET /route` query.
+    pub fn route(&self, q: RouteQuery) -> RouteAnswer {
+        if !self.is_ready() {
+            return RouteAnswer::NotReady(self.registered);
+        }
+        if q.is_sentinel() {
+            return match self.topology() {
+                Some(t) => RouteAnswer::Topology(Box::new(t)),
+                None => RouteAnswer::NotReady(self.registered),
+            };
+        }
+        match self
+            .ranks
+            .get(&(q.dp_rank, q.cp_rank, q.tp_rank, q.pp_rank))
+        {
+            Some(info) => RouteAnswer::Rank(info.clone()),
+            None => RouteAnswer::NotFound,
+        }
+    }
+
+    /// Records `POST /register_dp_rank`: `room` is served by `dp_rank`, as of `now`.
+    pub fn register_dp_rank(&mut self, room: u64, dp_rank: i64, now: Instant) {
+        self.room_to_dp_rank.insert(room, (dp_rank, now));
+    }
+
+    /// Answers `POST /query_dp_ranks`: the known rooms, in request order, without duplicates;
+    /// unknown rooms are left out.
+    pub fn query_dp_ranks(&self, rooms: &[u64]) -> Vec<(u64, i64)> {
+        let mut out: Vec<(u64, i64)> = Vec::new();
+        for room in rooms {
+            if let Some((dp, _)) = self.room_to_dp_rank.get(room)
+                && !out.iter().any(|(r, _)| r == room)
+            {
+                out.push((*room, *dp));
+            }
+        }
+        out
+    }
+
+    /// Drops room entries recorded more than `max_age` before `now`; returns how many.
+    pub fn sweep_dp_ranks(&mut self, now: Instant, max_age: Duration) -> usize {
+        let before = self.room_to_dp_rank.len();
+        self.room_to_dp_rank
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) <= max_age);
+        before - self.room_to_dp_rank.len()
+    }
+
+    /// Number of room → dp-rank entries held.
+    pub fn dp_rank_entries(&self) -> usize {
+        self.room_to_dp_rank.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(tp: u32, tp_rank: u32, port: u16) -> RankRegistration {
+        RankRegistration {
+            attn_tp_size: tp,
+            attn_tp_rank: tp_rank,
+            attn_cp_size: 1,
+            attn_cp_rank: 0,
+            attn_dp_size: 1,
+            attn_dp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+            system_dp_size: 1,
+            system_dp_rank: 0,
+            rank_ip: "10.0.0.1".into(),
+            rank_port: port,
+            page_size: Some(16),
+            kv_cache_dtype: Some("auto".into()),
+            load_balance_method: None,
+            enable_dsa_cache_layer_split: None,
+            prefill_http_port: Some(30000),
+        }
+    }
+
+    #[test]
+    fn ready_after_all_ranks_and_first_writer_wins() {
+        let mut r = Registry::new();
+        assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(0));
+        r.register_rank(&reg(2, 0, 5000));
+        assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(1));
+        let mut second = reg(4, 1, 5001);
+        second.page_size = Some(64);
+        r.register_rank(&second);
+        let RouteAnswer::Topology(t) = r.route(RouteQuery::SENTINEL) else {
+            panic!("not ready")
+        };
+        assert_eq!((t.attn_tp_size, t.page_size), (2, Some(16)));
+        assert!(t.follow_bootstrap_room);
+        let q = RouteQuery {
+            dp_rank: 0,
+            cp_rank: 0,
+            tp_rank: 1,
+            pp_rank: 0,
+        };
+        assert_eq!(
+            r.route(q),
+            RouteAnswer::Rank(RankInfo {
+                rank_ip: "10.0.0.1".into(),
+                rank_port: 5001
+            })
+        );
+        assert_eq!(
+            r.route(RouteQuery { tp_rank: 2, ..q }),
+            RouteAnswer::NotFound
+        );
+    }
+
+    #[test]
+    fn reregistration_double_counts() {
+        let mut r = Registry::new();
+        r.register_rank(&reg(2, 0, 5000));
+        r.register_rank(&reg(2, 0, 5002));
+        // sglang counts the restarted rank twice: "ready" although rank 1 never came.
+        assert!(r.is_ready());
+        assert_eq!(r.registered(), 2);
+    }
+
+    #[test]
+    fn system_dp_overrides_attention_dp() {
+        let mut a = reg(1, 0, 5000);
+        a.system_dp_size = 2;
+        a.system_dp_rank = 1;
+        a.attn_dp_size = 4;
+        a.attn_dp_rank = 3;
+        a.load_balance_method = Some("round_robin".into());
+        assert_eq!((a.dp_size(), a.dp_group()), (2, 1));
+        assert!(!a.follow_bootstrap_room());
+    }
+
+    #[test]
+    fn dp_rank_table_sweeps_old_entries_only() {
+        let t0 = Instant::now();
+        let mut r = Registry::new();
+        r.register_dp_rank(7, 1, t0);
+        r.register_dp_rank(8, 0, t0 + Duration::from_secs(100));
+        assert_eq!(r.query_dp_ranks(&[8, 9, 7, 8]), vec![(8, 0), (7, 1)]);
+        let ttl = Duration::from_secs(120);
+        assert_eq!(r.sweep_dp_ranks(t0 + Duration::from_secs(120), ttl), 0);
+        assert_eq!(r.sweep_dp_ranks(t0 + Duration::from_secs(121), ttl), 1);
+        assert_eq!(r.query_dp_ranks(&[7, 8]), vec![(8, 0)]);
+        assert_eq!(r.dp_rank_entries(), 1);
+    }
+}

@@ -1,0 +1,330 @@
+//! The bootstrap server over real HTTP: status codes, texts, JSON bytes and content types of
+//! spec §1.2, checked with a plain reqwest client and with kvx's own [`BootstrapClient`].
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use kvx_bootstrap::http::client::sglang_backoff;
+use kvx_bootstrap::http::{
+    BootstrapClient, BootstrapServer, RankInfo, RankRegistration, RetryPolicy, RouteQuery,
+    ServerConfig,
+};
+
+fn reg(tp_size: u32, tp_rank: u32, port: u16) -> RankRegistration {
+    RankRegistration {
+        attn_tp_size: tp_size,
+        attn_tp_rank: tp_rank,
+        attn_cp_size: 1,
+        attn_cp_rank: 0,
+        attn_dp_size: 1,
+        attn_dp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        system_dp_size: 1,
+        system_dp_rank: 0,
+        rank_ip: "127.0.0.1".into(),
+        rank_port: port,
+        page_size: Some(16),
+        kv_cache_dtype: Some("auto".into()),
+        load_balance_method: Some("round_robin".into()),
+        enable_dsa_cache_layer_split: Some(false),
+        prefill_http_port: Some(30000),
+    }
+}
+
+fn raw() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn call(method: reqwest::Method, url: String, body: Option<&str>) -> (u16, String, String) {
+    let mut rb = raw().request(method, url);
+    if let Some(b) = body {
+        rb = rb
+            .header("content-type", "application/json")
+            .body(b.to_string());
+    }
+    let resp = rb.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (status, ct, resp.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn routes_answer_like_sglang() {
+    let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let sentinel = format!(
+        "{base}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    );
+    let get = reqwest::Method::GET;
+
+    assert_eq!(
+        call(get.clone(), sentinel.clone(), None).await,
+        (
+            503,
+            "text/plain; charset=utf-8".into(),
+            "Prefill server not fully registered yet (0 workers registered).".into()
+        )
+    );
+    let missing = format!("{base}/route?prefill_dp_rank=0&prefill_cp_rank=&target_tp_rank=0");
+    assert_eq!(call(get.clone(), missing, None).await.0, 400);
+    assert_eq!(
+        call(get.clone(), format!("{base}/route"), None).await.2,
+        "Missing inputs for bootstrap server."
+    );
+    for m in [
+        reqwest::Method::POST,
+        reqwest::Method::DELETE,
+        reqwest::Method::PATCH,
+    ] {
+        let (s, _, body) = call(m, format!("{base}/route"), None).await;
+        assert_eq!((s, body.as_str()), (405, "Method not allowed"));
+    }
+
+    let client = BootstrapClient::with_base_url(&base).unwrap();
+    let policy = RetryPolicy::immediate(1, Duration::from_secs(5));
+    assert_eq!(
+        client
+            .register_rank(&reg(2, 0, 5000), &policy)
+            .await
+            .unwrap(),
+        1
+    );
+    let err = client.prefill_info().await.unwrap_err();
+    assert!(err.is_not_ready(), "{err}");
+    assert!(err.to_string().contains("(1 workers registered)"));
+    // A second registration with other scalars: first writer wins.
+    let mut second = reg(8, 1, 5001);
+    second.page_size = Some(1);
+    second.kv_cache_dtype = None;
+    let (s, ct, body) = call(
+        reqwest::Method::PUT,
+        format!("{base}/route"),
+        Some(&serde_json::to_string(&second).unwrap()),
+    )
+    .await;
+    assert_eq!(
+        (s, ct.as_str(), body.as_str()),
+        (200, "text/plain; charset=utf-8", "OK")
+    );
+
+    let (s, ct, body) = call(get.clone(), sentinel, None).await;
+    assert_eq!((s, ct.as_str()), (200, "application/json; charset=utf-8"));
+    assert_eq!(
+        body,
+        r#"{"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": false, "enable_dsa_cache_layer_split": false, "prefill_http_port": 30000, "target_tp_rank": null, "target_tp_ranks": null, "target_cp_ranks": null, "target_pp_ranks": null, "required_dst_info_num": null, "required_prefill_response_num": null}"#
+    );
+    let info = client.prefill_info().await.unwrap();
+    assert_eq!((info.attn_tp_size, info.page_size), (2, Some(16)));
+
+    let (s, _, body) = call(
+        get.clone(),
+        format!(
+            "{base}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1&target_pp_rank=0"
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, body.as_str()),
+        (200, r#"{"rank_ip": "127.0.0.1", "rank_port": 5001}"#)
+    );
+    let q = RouteQuery {
+        dp_rank: 0,
+        cp_rank: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+    };
+    assert_eq!(
+        client.rank_info(q).await.unwrap(),
+        RankInfo {
+            rank_ip: "127.0.0.1".into(),
+            rank_port: 5000
+        }
+    );
+    let (s, ct, body) = call(
+        get.clone(),
+        format!(
+            "{base}/route?prefill_dp_rank=1&prefill_cp_rank=0&target_tp_rank=3&target_pp_rank=0"
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, ct.as_str(), body.as_str()),
+        (
+            404,
+            "text/plain; charset=utf-8",
+            "Bootstrap info not found for dp_rank=1 cp_rank=0 tp_rank=3 pp_rank=0"
+        )
+    );
+    let (s, _, _) = call(
+        get.clone(),
+        format!(
+            "{base}/route?prefill_dp_rank=x&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(s, 400);
+    // Malformed registrations are refused and change nothing.
+    for bad in ["{", "{}", r#"{"attn_tp_size": "2"}"#, "[1,2]"] {
+        let (s, _, _) = call(reqwest::Method::PUT, format!("{base}/route"), Some(bad)).await;
+        assert_eq!(s, 400, "{bad}");
+    }
+    assert_eq!(server.state().lock().registered(), 2);
+
+    // Room → dp rank.
+    client
+        .register_dp_rank(1234567890123456789, 1)
+        .await
+        .unwrap();
+    let (s, _, body) = call(
+        reqwest::Method::POST,
+        format!("{base}/register_dp_rank"),
+        Some(r#"{"bootstrap_room": 42, "dp_rank": 0}"#),
+    )
+    .await;
+    assert_eq!((s, body.as_str()), (200, "OK"));
+    let (s, ct, body) = call(
+        reqwest::Method::POST,
+        format!("{base}/query_dp_ranks"),
+        Some(r#"{"bootstrap_rooms": [7, 1234567890123456789, 42]}"#),
+    )
+    .await;
+    assert_eq!(
+        (s, ct.as_str(), body.as_str()),
+        (
+            200,
+            "application/json; charset=utf-8",
+            r#"{"1234567890123456789": 1, "42": 0}"#
+        )
+    );
+    let got = client.query_dp_ranks(&[42, 5]).await.unwrap();
+    assert_eq!(got.into_iter().collect::<Vec<_>>(), vec![(42, 0)]);
+    for bad in [
+        "",
+        "{\"bootstrap_rooms\": [-1]}",
+        "{\"bootstrap_rooms\": 3}",
+    ] {
+        let (s, _, _) = call(
+            reqwest::Method::POST,
+            format!("{base}/query_dp_ranks"),
+            Some(bad),
+        )
+        .await;
+        assert_eq!(s, 400, "{bad}");
+    }
+
+    let (s, ct, body) = call(get, format!("{base}/health"), None).await;
+    assert_eq!(
+        (s, ct.as_str(), body.as_str()),
+        (200, "text/plain; charset=utf-8", "OK")
+    );
+    client.health().await.unwrap();
+
+    server.shutdown().await.unwrap();
+    assert!(client.health().await.is_err());
+}
+
+#[tokio::test]
+async fn extra_routes_are_served_alongside() {
+    let extra = Router::new().route("/metrics", get(|| async { "kvx_up 1\n" }));
+    let server = BootstrapServer::bind_with("127.0.0.1:0", ServerConfig::default(), extra)
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let (s, _, body) = call(reqwest::Method::GET, format!("{base}/metrics"), None).await;
+    assert_eq!((s, body.as_str()), (200, "kvx_up 1\n"));
+    let (s, _, _) = call(reqwest::Method::GET, format!("{base}/health"), None).await;
+    assert_eq!(s, 200);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn ipv6_bind_and_client() {
+    let Ok(server) = BootstrapServer::bind("[::1]:0", ServerConfig::default()).await else {
+        panic!("IPv6 loopback is required for this test");
+    };
+    let client = BootstrapClient::new("::1", server.local_addr().port()).unwrap();
+    assert!(client.base_url().starts_with("http://[::1]:"));
+    client.health().await.unwrap();
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn registration_retries_with_the_injected_schedule() {
+    // A port nobody listens on: bind, learn the port, close.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let client = BootstrapClient::new("127.0.0.1", port).unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let seen = calls.clone();
+    let policy = RetryPolicy {
+        attempts: 5,
+        timeout: Duration::from_secs(5),
+        backoff: Arc::new(move |k| {
+            assert_eq!(k, seen.fetch_add(1, Ordering::SeqCst));
+            Duration::ZERO
+        }),
+    };
+    let err = client
+        .register_rank(&reg(1, 0, 1), &policy)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, kvx_bootstrap::http::ClientError::Request(_)),
+        "{err}"
+    );
+    // Sleeps happen between attempts only: 4 for 5 attempts.
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[test]
+fn sglang_backoff_schedule() {
+    let secs: Vec<f64> = (0..7)
+        .map(|k| sglang_backoff(k, 1.0).as_secs_f64())
+        .collect();
+    assert_eq!(secs, vec![1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]);
+    assert_eq!(sglang_backoff(1, 0.75), Duration::from_millis(1500));
+    assert_eq!(
+        sglang_backoff(u32::MAX, 0.75),
+        Duration::from_secs_f64(22.5)
+    );
+}
+
+#[tokio::test]
+async fn dp_rank_entries_expire_by_the_periodic_sweep() {
+    let cfg = ServerConfig {
+        dp_rank_entry_ttl: Duration::ZERO,
+        sweep_interval: Duration::from_millis(20),
+    };
+    let server = BootstrapServer::bind("127.0.0.1:0", cfg).await.unwrap();
+    let client = BootstrapClient::new("127.0.0.1", server.local_addr().port()).unwrap();
+    client.register_dp_rank(9, 3).await.unwrap();
+    // Wait for the sweep to run (bounded by a count of polls, not by a timing assertion).
+    let mut gone = false;
+    for _ in 0..500 {
+        if server.state().lock().dp_rank_entries() == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "the sweep never removed the entry");
+    assert!(client.query_dp_ranks(&[9]).await.unwrap().is_empty());
+    server.shutdown().await.unwrap();
+}
