@@ -26,10 +26,12 @@
 pub mod error;
 pub mod mem;
 pub mod segment;
+pub mod tcp;
 pub mod transport;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
 pub use error::{RejectReason, TransportError};
 pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
+pub use tcp::{TcpConfig, TcpTransport};
 pub use transport::{BatchReport, BoxFuture, Session, Transport, write_to};

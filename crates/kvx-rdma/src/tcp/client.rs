@@ -1,0 +1,434 @@
+//! The sending (prefill) side of the tcp backend: sessions, connections, windows, completions.
+//!
+//! A session owns `connections` sockets to one peer. A batch is checked (every src in a local
+//! region, every dst in one of the peer's regions) and cut into *windows* of at most
+//! `window_bytes` (ops longer than `slice_bytes` are sliced); windows go round-robin to the
+//! connections through bounded queues (backpressure: posting waits for room). Each connection's
+//! writer sends a window as one vectored stream — header, payload from registered memory,
+//! header, payload, …, fence — and its reader matches the peer's acknowledgements to windows in
+//! order. A batch completes when all its windows are acknowledged, or fails on the first
+//! rejection or connection loss. A connection with an unacknowledged window older than
+//! `ack_timeout` is declared dead (silent peer); a dead connection fails everything it carries
+//! and only that.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kvx_core::TransferOp;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use crate::error::TransportError;
+use crate::mem::{IoPart, RegionTable, Span};
+use crate::segment::{RegionKey, SegmentDescriptor};
+use crate::tcp::TcpConfig;
+use crate::tcp::io::write_parts;
+use crate::tcp::wire::{Ack, ClientFrame, HEADER_LEN};
+use crate::transport::{BatchReport, BoxFuture, Session};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One batch's completion state, shared by its windows.
+struct BatchState {
+    windows_left: AtomicUsize,
+    done: Mutex<Option<oneshot::Sender<Result<(), TransportError>>>>,
+}
+
+impl BatchState {
+    fn finish_window(&self, r: Result<(), TransportError>) {
+        match r {
+            Ok(()) => {
+                if self.windows_left.fetch_sub(1, Ordering::AcqRel) == 1
+                    && let Some(tx) = lock(&self.done).take()
+                {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            Err(e) => {
+                if let Some(tx) = lock(&self.done).take() {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        }
+    }
+}
+
+/// One write on the wire: checked source span, destination, key.
+struct WireWrite {
+    key: RegionKey,
+    src: Span,
+    dst: u64,
+}
+
+/// A window: writes followed by one fence.
+struct Window {
+    batch: Arc<BatchState>,
+    writes: Vec<WireWrite>,
+}
+
+struct Pending {
+    tag: u64,
+    batch: Arc<BatchState>,
+    since: Instant,
+}
+
+/// State shared by a connection's writer and reader tasks.
+struct ConnShared {
+    peer: String,
+    stream: TcpStream,
+    pending: Mutex<VecDeque<Pending>>,
+    pushed: Notify,
+    dead: Mutex<Option<TransportError>>,
+    is_dead: AtomicBool,
+}
+
+impl ConnShared {
+    fn dead_error(&self) -> TransportError {
+        lock(&self.dead).clone().unwrap_or(TransportError::Closed)
+    }
+
+    /// Marks the connection dead (first cause wins), shuts the socket, fails what it carries.
+    fn fail(&self, e: TransportError) {
+        {
+            let mut d = lock(&self.dead);
+            if d.is_none() && e == TransportError::Closed {
+                *d = Some(e);
+            } else if d.is_none() {
+                metrics::counter!("kvx_tcp_conn_failures_total", "cause" => e.label()).increment(1);
+                tracing::warn!(peer = %self.peer, error = %e, "tcp transport connection failed");
+                *d = Some(e);
+            }
+        }
+        self.is_dead.store(true, Ordering::Release);
+        let _ = socket2::SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+        let err = self.dead_error();
+        let drained: Vec<Pending> = lock(&self.pending).drain(..).collect();
+        for p in drained {
+            p.batch.finish_window(Err(err.clone()));
+        }
+        self.pushed.notify_one();
+    }
+}
+
+/// One connection: the queue into its writer.
+struct Conn {
+    tx: mpsc::Sender<Window>,
+    shared: Arc<ConnShared>,
+}
+
+/// A tcp session to one peer.
+pub struct TcpSession {
+    peer: String,
+    remote: SegmentDescriptor,
+    local: Arc<RegionTable>,
+    conns: Vec<Conn>,
+    cfg: TcpConfig,
+    next_conn: AtomicUsize,
+}
+
+impl TcpSession {
+    /// Wraps handshaken streams into a session and starts their tasks.
+    pub(crate) fn start(
+        peer: String,
+        remote: SegmentDescriptor,
+        local: Arc<RegionTable>,
+        streams: Vec<TcpStream>,
+        cfg: TcpConfig,
+    ) -> Self {
+        let conns = streams
+            .into_iter()
+            .map(|stream| {
+                let shared = Arc::new(ConnShared {
+                    peer: peer.clone(),
+                    stream,
+                    pending: Mutex::new(VecDeque::new()),
+                    pushed: Notify::new(),
+                    dead: Mutex::new(None),
+                    is_dead: AtomicBool::new(false),
+                });
+                let (tx, rx) = mpsc::channel(cfg.queue_depth.max(1));
+                tokio::spawn(writer(shared.clone(), rx));
+                tokio::spawn(reader(shared.clone(), cfg.ack_timeout));
+                Conn { tx, shared }
+            })
+            .collect();
+        TcpSession {
+            peer,
+            remote,
+            local,
+            conns,
+            cfg,
+            next_conn: AtomicUsize::new(0),
+        }
+    }
+
+    /// Checks a batch and cuts it into windows.
+    fn plan(
+        &self,
+        ops: &[TransferOp],
+        batch: &Arc<BatchState>,
+    ) -> Result<Vec<Window>, TransportError> {
+        let slice = self.cfg.slice_bytes.max(1) as u64;
+        let window_bytes = self.cfg.window_bytes.max(1);
+        let max_writes = self.cfg.max_writes_per_window.max(1);
+        let mut windows = Vec::new();
+        let mut cur = Vec::new();
+        let mut cur_bytes = 0u64;
+        let mut srcs = Vec::with_capacity(ops.len());
+        self.local
+            .resolve_many(ops.iter().map(|o| (o.src, o.len)), |s| srcs.push(s))?;
+        for (op, src) in ops.iter().zip(srcs) {
+            let region =
+                self.remote
+                    .find(op.dst, op.len)
+                    .ok_or(TransportError::RemoteNotRegistered {
+                        addr: op.dst,
+                        len: op.len,
+                    })?;
+            let mut off = 0u64;
+            while off < op.len {
+                let len = slice.min(op.len - off).min(window_bytes - cur_bytes);
+                let Some(s) = src.sub(off as usize, len as usize) else {
+                    return Err(TransportError::LocalNotRegistered {
+                        addr: op.src,
+                        len: op.len,
+                    });
+                };
+                cur.push(WireWrite {
+                    key: region.key,
+                    src: s,
+                    dst: op.dst + off,
+                });
+                cur_bytes += len;
+                off += len;
+                if cur_bytes >= window_bytes || cur.len() >= max_writes {
+                    windows.push(Window {
+                        batch: batch.clone(),
+                        writes: std::mem::take(&mut cur),
+                    });
+                    cur_bytes = 0;
+                }
+            }
+        }
+        if !cur.is_empty() {
+            windows.push(Window {
+                batch: batch.clone(),
+                writes: cur,
+            });
+        }
+        Ok(windows)
+    }
+}
+
+impl Session for TcpSession {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn remote(&self) -> &SegmentDescriptor {
+        &self.remote
+    }
+
+    fn is_alive(&self) -> bool {
+        self.conns
+            .iter()
+            .all(|c| !c.shared.is_dead.load(Ordering::Acquire))
+    }
+
+    fn write_batch(
+        &self,
+        ops: Vec<TransferOp>,
+    ) -> BoxFuture<'static, Result<BatchReport, TransportError>> {
+        let report = BatchReport {
+            ops: ops.len() as u64,
+            bytes: TransferOp::total_bytes(&ops),
+        };
+        let (tx, rx) = oneshot::channel();
+        let batch = Arc::new(BatchState {
+            windows_left: AtomicUsize::new(usize::MAX),
+            done: Mutex::new(Some(tx)),
+        });
+        let planned = self.plan(&ops, &batch);
+        let txs: Vec<mpsc::Sender<Window>> = self.conns.iter().map(|c| c.tx.clone()).collect();
+        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let shared: Vec<Arc<ConnShared>> = self.conns.iter().map(|c| c.shared.clone()).collect();
+        Box::pin(async move {
+            let windows = planned?;
+            if windows.is_empty() {
+                return Ok(report);
+            }
+            batch.windows_left.store(windows.len(), Ordering::Release);
+            for (i, w) in windows.into_iter().enumerate() {
+                let c = (start + i) % txs.len();
+                if txs[c].send(w).await.is_err() {
+                    batch.finish_window(Err(shared[c].dead_error()));
+                    break;
+                }
+            }
+            let r = match rx.await {
+                Ok(r) => r,
+                Err(_) => Err(TransportError::Closed),
+            };
+            metrics::counter!("kvx_transport_batches_total", "backend" => "tcp",
+                "result" => match &r { Ok(()) => "ok", Err(e) => e.label() })
+            .increment(1);
+            r.map(|()| report)
+        })
+    }
+}
+
+async fn writer(c: Arc<ConnShared>, mut rx: mpsc::Receiver<Window>) {
+    let mut next_tag = 1u64;
+    let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
+    while let Some(w) = rx.recv().await {
+        if c.is_dead.load(Ordering::Acquire) {
+            w.batch.finish_window(Err(c.dead_error()));
+            continue;
+        }
+        let tag = next_tag;
+        next_tag += 1;
+        headers.clear();
+        for ww in &w.writes {
+            headers.push(
+                ClientFrame::Write {
+                    key: ww.key,
+                    addr: ww.dst,
+                    len: ww.src.len() as u64,
+                    tag,
+                }
+                .encode(),
+            );
+        }
+        headers.push(ClientFrame::Fence { tag }.encode());
+        let mut parts = Vec::with_capacity(2 * w.writes.len() + 1);
+        for (h, ww) in headers.iter().zip(&w.writes) {
+            parts.push(IoPart::Bytes(h));
+            if !ww.src.is_empty() {
+                parts.push(IoPart::Span(ww.src));
+            }
+        }
+        if let Some(f) = headers.last() {
+            parts.push(IoPart::Bytes(f));
+        }
+        lock(&c.pending).push_back(Pending {
+            tag,
+            batch: w.batch.clone(),
+            since: Instant::now(),
+        });
+        c.pushed.notify_one();
+        match write_parts(&c.stream, &parts).await {
+            Ok(n) => {
+                metrics::counter!("kvx_tcp_bytes_sent_total").increment(n);
+            }
+            Err(e) => {
+                c.fail(TransportError::PeerLost {
+                    peer: c.peer.clone(),
+                    detail: e.to_string(),
+                });
+            }
+        }
+    }
+    // Session dropped: close the socket so the reader ends.
+    c.fail(TransportError::Closed);
+}
+
+async fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
+    let mut buf = [0u8; HEADER_LEN];
+    let mut have = 0usize;
+    loop {
+        if c.is_dead.load(Ordering::Acquire) {
+            return;
+        }
+        let oldest = lock(&c.pending).front().map(|p| p.since);
+        let deadline = oldest.map(|t| tokio::time::Instant::from_std(t + ack_timeout));
+        tokio::select! {
+            r = c.stream.readable() => {
+                if let Err(e) = r {
+                    c.fail(TransportError::PeerLost { peer: c.peer.clone(), detail: e.to_string() });
+                    return;
+                }
+                match c.stream.try_read(&mut buf[have..]) {
+                    Ok(0) => {
+                        c.fail(TransportError::PeerLost {
+                            peer: c.peer.clone(),
+                            detail: "connection closed by peer".into(),
+                        });
+                        return;
+                    }
+                    Ok(n) => have += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => {
+                        c.fail(TransportError::PeerLost { peer: c.peer.clone(), detail: e.to_string() });
+                        return;
+                    }
+                }
+                if have < HEADER_LEN {
+                    continue;
+                }
+                have = 0;
+                if let Err(e) = on_ack(&c, &buf) {
+                    c.fail(e);
+                    return;
+                }
+            }
+            _ = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => c.pushed.notified().await,
+                }
+            } => {
+                let expired = lock(&c.pending)
+                    .front()
+                    .is_some_and(|p| p.since.elapsed() >= ack_timeout);
+                if expired {
+                    c.fail(TransportError::Timeout {
+                        peer: c.peer.clone(),
+                        after_ms: ack_timeout.as_millis() as u64,
+                    });
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), TransportError> {
+    let ack = Ack::decode(buf).map_err(|e| TransportError::PeerLost {
+        peer: c.peer.clone(),
+        detail: format!("protocol error: {e}"),
+    })?;
+    let front = lock(&c.pending).pop_front();
+    let Some(p) = front else {
+        return Err(TransportError::PeerLost {
+            peer: c.peer.clone(),
+            detail: format!("unexpected ack {}", ack.tag),
+        });
+    };
+    if let Some(reason) = ack.status {
+        let e = TransportError::RemoteRejected {
+            reason,
+            addr: ack.first_rejected_addr,
+            len: 0,
+        };
+        p.batch.finish_window(Err(e.clone()));
+        if ack.tag != p.tag {
+            // The peer closes after a fatal rejection (tag u64::MAX).
+            return Err(e);
+        }
+        return Ok(());
+    }
+    if ack.tag != p.tag {
+        let e = TransportError::PeerLost {
+            peer: c.peer.clone(),
+            detail: format!("ack {} does not match window {}", ack.tag, p.tag),
+        };
+        p.batch.finish_window(Err(e.clone()));
+        return Err(e);
+    }
+    p.batch.finish_window(Ok(()));
+    Ok(())
+}

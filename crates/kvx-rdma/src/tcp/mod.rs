@@ -1,0 +1,280 @@
+//! The `tcp` backend: kvx's own framed protocol over plain TCP (the default transport).
+//!
+//! [`TcpTransport::bind`] listens for peers that write into this side's registered memory;
+//! [`TcpTransport::client`] only sends. Both register memory, describe themselves, and open
+//! sessions ([`Transport::connect`]) that are cached per peer and replaced once broken. The wire
+//! protocol is in `docs/tcp-transport.md` and [`wire`]; the receiving side in `server`, the
+//! sending side in `client`.
+
+mod client;
+mod io;
+mod server;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub use client::TcpSession;
+
+use crate::error::TransportError;
+use crate::mem::RegionTable;
+use crate::segment::{RegionKey, SegmentDescriptor};
+use crate::transport::{BoxFuture, Session, Transport};
+use wire::{HELLO_LEN, HELLO_OK, Hello, VERSION};
+
+/// Tuning and limits of the tcp backend.
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Connections per peer session.
+    pub connections: usize,
+    /// Ops longer than this are sliced into several writes.
+    pub slice_bytes: usize,
+    /// Bytes per acknowledged window (one fence and one ack per window).
+    pub window_bytes: u64,
+    /// Writes per window at most (bounds per-window header memory for tiny ops).
+    pub max_writes_per_window: usize,
+    /// Windows queued per connection before posting waits (backpressure).
+    pub queue_depth: usize,
+    /// A window not acknowledged this long after it started fails its connection (silent peer).
+    pub ack_timeout: Duration,
+    /// Connect (and handshake) timeout.
+    pub connect_timeout: Duration,
+    /// Largest single write payload this side accepts as a receiver.
+    pub max_write_len: u32,
+    /// Endpoint to advertise instead of the bound address (e.g. the routable IP).
+    pub advertise: Option<String>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            connections: 4,
+            slice_bytes: 4 << 20,
+            window_bytes: 16 << 20,
+            max_writes_per_window: 8192,
+            queue_depth: 8,
+            ack_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            max_write_len: 16 << 20,
+            advertise: None,
+        }
+    }
+}
+
+struct Inner {
+    cfg: TcpConfig,
+    table: Arc<RegionTable>,
+    endpoint: String,
+    sessions: Mutex<HashMap<String, Arc<TcpSession>>>,
+    server: Mutex<Option<(JoinHandle<()>, oneshot::Sender<()>)>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(h) = self
+            .server
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.0.abort();
+        }
+    }
+}
+
+/// The tcp transport. Cheap to share (`Arc<TcpTransport>` or `Arc<dyn Transport>`).
+pub struct TcpTransport {
+    inner: Inner,
+}
+
+impl TcpTransport {
+    /// Listens on `addr` (`host:port`, port 0 for any) and serves peers' writes into this
+    /// side's registered regions. Must be called inside a tokio runtime.
+    pub async fn bind(addr: &str, cfg: TcpConfig) -> Result<Arc<Self>, TransportError> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let endpoint = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+        let table = Arc::new(RegionTable::new());
+        let ctx = Arc::new(server::ServerCtx {
+            table: table.clone(),
+            endpoint: endpoint.clone(),
+            max_write_len: cfg.max_write_len,
+            handshake_timeout: cfg.connect_timeout,
+        });
+        let (stop, stopped) = oneshot::channel();
+        let handle = tokio::spawn(server::accept_loop(listener, ctx, stopped));
+        tracing::info!(%endpoint, "tcp transport listening");
+        Ok(Arc::new(TcpTransport {
+            inner: Inner {
+                cfg,
+                table,
+                endpoint,
+                sessions: Mutex::new(HashMap::new()),
+                server: Mutex::new(Some((handle, stop))),
+            },
+        }))
+    }
+
+    /// A send-only transport (no listener; its descriptor has an empty endpoint).
+    pub fn client(cfg: TcpConfig) -> Arc<Self> {
+        Arc::new(TcpTransport {
+            inner: Inner {
+                cfg,
+                table: Arc::new(RegionTable::new()),
+                endpoint: String::new(),
+                sessions: Mutex::new(HashMap::new()),
+                server: Mutex::new(None),
+            },
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TcpConfig {
+        &self.inner.cfg
+    }
+
+    /// Stops serving: closes the listener and every inbound connection (peers see EOF) and
+    /// returns once they are closed.
+    pub async fn shutdown(&self) {
+        let server = self
+            .inner
+            .server
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((handle, stop)) = server {
+            let _ = stop.send(());
+            let _ = handle.await;
+        }
+    }
+
+    /// Opens a fresh session (not cached).
+    pub async fn open_session(&self, peer: &str) -> Result<TcpSession, TransportError> {
+        let cfg = &self.inner.cfg;
+        let mine = self.inner.table.descriptor(&self.inner.endpoint).encode();
+        let mut streams = Vec::with_capacity(cfg.connections.max(1));
+        let mut remote = None;
+        for _ in 0..cfg.connections.max(1) {
+            let (s, d) = tokio::time::timeout(cfg.connect_timeout, connect_one(peer, &mine, cfg))
+                .await
+                .map_err(|_| TransportError::PeerUnreachable {
+                    peer: peer.to_owned(),
+                    detail: "connect timed out".into(),
+                })??;
+            streams.push(s);
+            remote.get_or_insert(d);
+        }
+        let remote = remote.unwrap_or_default();
+        Ok(TcpSession::start(
+            peer.to_owned(),
+            remote,
+            self.inner.table.clone(),
+            streams,
+            cfg.clone(),
+        ))
+    }
+}
+
+async fn connect_one(
+    peer: &str,
+    mine: &[u8],
+    cfg: &TcpConfig,
+) -> Result<(TcpStream, SegmentDescriptor), TransportError> {
+    let unreachable = |e: std::io::Error| TransportError::PeerUnreachable {
+        peer: peer.to_owned(),
+        detail: e.to_string(),
+    };
+    let hs = |detail: String| TransportError::Handshake {
+        peer: peer.to_owned(),
+        detail,
+    };
+    let stream = TcpStream::connect(peer).await.map_err(unreachable)?;
+    stream.set_nodelay(true).map_err(unreachable)?;
+    let sock = socket2::SockRef::from(&stream);
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(5))
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    let _ = sock.set_tcp_keepalive(&ka);
+    let _ = sock.set_tcp_user_timeout(Some(cfg.ack_timeout));
+    let hello = Hello {
+        version: VERSION,
+        status: 0,
+        param: 0,
+        desc_len: mine.len() as u32,
+    };
+    let mut out = hello.encode().to_vec();
+    out.extend_from_slice(mine);
+    io::write_all(&stream, &out).await.map_err(unreachable)?;
+    let mut fixed = [0u8; HELLO_LEN];
+    io::read_full(&stream, &mut fixed)
+        .await
+        .map_err(|e| hs(format!("reading hello: {e}")))?;
+    let reply = Hello::decode(&fixed).map_err(|e| hs(e.to_string()))?;
+    if reply.status != HELLO_OK || reply.version != VERSION {
+        return Err(hs(format!(
+            "peer refused: status {} version {}",
+            reply.status, reply.version
+        )));
+    }
+    let mut desc = vec![0u8; reply.desc_len as usize];
+    io::read_full(&stream, &mut desc)
+        .await
+        .map_err(|e| hs(format!("reading descriptor: {e}")))?;
+    let d = SegmentDescriptor::decode(&desc).map_err(|e| hs(e.to_string()))?;
+    tracing::debug!(%peer, regions = d.regions.len(), "tcp handshake done");
+    Ok((stream, d))
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+
+    unsafe fn register(&self, addr: u64, len: u64) -> Result<RegionKey, TransportError> {
+        self.inner.table.insert(addr, len)
+    }
+
+    fn deregister(&self, key: RegionKey) -> Result<(), TransportError> {
+        self.inner.table.remove(key)
+    }
+
+    fn descriptor(&self) -> SegmentDescriptor {
+        self.inner.table.descriptor(&self.inner.endpoint)
+    }
+
+    fn endpoint(&self) -> String {
+        self.inner.endpoint.clone()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        peer: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn Session>, TransportError>> {
+        Box::pin(async move {
+            let cached = self
+                .inner
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(peer)
+                .filter(|s| s.is_alive())
+                .cloned();
+            if let Some(s) = cached {
+                return Ok(s as Arc<dyn Session>);
+            }
+            let s = Arc::new(self.open_session(peer).await?);
+            self.inner
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(peer.to_owned(), s.clone());
+            Ok(s as Arc<dyn Session>)
+        })
+    }
+}

@@ -1,0 +1,474 @@
+//! End-to-end tests of the tcp backend over loopback: bytes verified, sender-side checks,
+//! adversarial raw clients, killed and silent peers.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream as StdStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_core::TransferOp;
+use kvx_rdma::tcp::wire::{self, Ack, ClientFrame, HEADER_LEN, HELLO_LEN, Hello};
+use kvx_rdma::{
+    RejectReason, SegmentDescriptor, TcpConfig, TcpTransport, Transport, TransportError,
+};
+
+/// Heap buffer with a stable address, registered with a transport for the test's lifetime.
+struct Buf(Vec<u8>);
+
+impl Buf {
+    fn zeroed(n: usize) -> Self {
+        Buf(vec![0u8; n])
+    }
+    fn pattern(n: usize, seed: u8) -> Self {
+        Buf((0..n)
+            .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ seed)
+            .collect())
+    }
+    fn addr(&self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+    fn register(&mut self, t: &dyn Transport) -> kvx_rdma::RegionKey {
+        // SAFETY: the buffer outlives the transport in every test (declared before it is used
+        // and dropped at the end of the test), and is only read after batches complete.
+        unsafe { t.register(self.0.as_mut_ptr() as u64, self.0.len() as u64) }.unwrap()
+    }
+}
+
+fn small_cfg() -> TcpConfig {
+    TcpConfig {
+        connections: 3,
+        slice_bytes: 64 << 10,
+        window_bytes: 256 << 10,
+        max_writes_per_window: 100,
+        queue_depth: 2,
+        ack_timeout: Duration::from_secs(10),
+        ..TcpConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_arrive_exactly() {
+    let mut dst = Buf::zeroed(4 << 20);
+    let mut src = Buf::pattern(4 << 20, 0x5a);
+    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
+        .await
+        .unwrap();
+    dst.register(&*server);
+    let client = TcpTransport::client(small_cfg());
+    src.register(&*client);
+
+    // Mixed sizes: tiny, odd, sliced (> slice_bytes), spanning windows; gaps stay zero.
+    let mut ops = Vec::new();
+    let mut expect = vec![0u8; dst.0.len()];
+    let mut s = 0u64;
+    let mut d = 0u64;
+    for (i, len) in [1u64, 7, 4096, 100_000, 3, 1 << 20, 65_536, 65_537, 12_345]
+        .iter()
+        .cycle()
+        .take(27)
+        .enumerate()
+    {
+        if d + len + 64 > dst.0.len() as u64 || s + len > src.0.len() as u64 {
+            break;
+        }
+        ops.push(TransferOp::new(src.addr() + s, dst.addr() + d, *len));
+        expect[d as usize..(d + len) as usize]
+            .copy_from_slice(&src.0[s as usize..(s + len) as usize]);
+        s += len + (i as u64 % 5);
+        d += len + 17;
+    }
+    let session = client.connect(&server.endpoint()).await.unwrap();
+    assert_eq!(session.remote().regions.len(), 1);
+    let report = session.write_batch(ops.clone()).await.unwrap();
+    assert_eq!(report.bytes, TransferOp::total_bytes(&ops));
+    assert!(
+        dst.0 == expect,
+        "destination differs from the expected image"
+    );
+
+    // The session is reused, and concurrent batches complete independently.
+    let again = client.connect(&server.endpoint()).await.unwrap();
+    assert!(Arc::ptr_eq(&session, &again));
+    let mut futs = Vec::new();
+    for k in 0..8u64 {
+        let op = TransferOp::new(
+            src.addr() + k * 1000,
+            dst.addr() + (3 << 20) + k * 4096,
+            999,
+        );
+        futs.push(tokio::spawn(session.write_batch(vec![op])));
+    }
+    for f in futs {
+        assert_eq!(f.await.unwrap().unwrap().bytes, 999);
+    }
+    for k in 0..8usize {
+        let at = (3 << 20) + k * 4096;
+        assert_eq!(&dst.0[at..at + 999], &src.0[k * 1000..k * 1000 + 999]);
+    }
+    // Empty batch completes at once.
+    assert_eq!(session.write_batch(Vec::new()).await.unwrap().ops, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistered_ranges_fail_before_sending() {
+    let mut dst = Buf::zeroed(1 << 16);
+    let mut src = Buf::pattern(1 << 16, 1);
+    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
+        .await
+        .unwrap();
+    dst.register(&*server);
+    let client = TcpTransport::client(small_cfg());
+    src.register(&*client);
+    let session = client.connect(&server.endpoint()).await.unwrap();
+    let good = TransferOp::new(src.addr(), dst.addr(), 16);
+    let past_dst = TransferOp::new(src.addr(), dst.addr() + (1 << 16) - 8, 16);
+    let past_src = TransferOp::new(src.addr() + (1 << 16) - 8, dst.addr(), 16);
+    assert!(matches!(
+        session.write_batch(vec![good, past_dst]).await,
+        Err(TransportError::RemoteNotRegistered { .. })
+    ));
+    assert!(matches!(
+        session.write_batch(vec![past_src]).await,
+        Err(TransportError::LocalNotRegistered { .. })
+    ));
+    assert!(dst.0.iter().all(|&b| b == 0), "nothing may be written");
+    session.write_batch(vec![good]).await.unwrap();
+    assert_eq!(&dst.0[..16], &src.0[..16]);
+}
+
+/// Handshakes a raw blocking socket; returns it and the server's descriptor.
+fn raw_connect(endpoint: &str) -> (StdStream, SegmentDescriptor) {
+    let mut s = StdStream::connect(endpoint).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Hello {
+        version: wire::VERSION,
+        status: 0,
+        param: 0,
+        desc_len: 0,
+    };
+    s.write_all(&hello.encode()).unwrap();
+    let mut fixed = [0u8; HELLO_LEN];
+    s.read_exact(&mut fixed).unwrap();
+    let h = Hello::decode(&fixed).unwrap();
+    assert_eq!(h.status, wire::HELLO_OK);
+    let mut desc = vec![0u8; h.desc_len as usize];
+    s.read_exact(&mut desc).unwrap();
+    (s, SegmentDescriptor::decode(&desc).unwrap())
+}
+
+fn raw_write(s: &mut StdStream, key: u32, addr: u64, payload: &[u8]) {
+    let h = ClientFrame::Write {
+        key: kvx_rdma::RegionKey(key),
+        addr,
+        len: payload.len() as u64,
+        tag: 0,
+    };
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(payload).unwrap();
+}
+
+fn raw_fence(s: &mut StdStream, tag: u64) -> Ack {
+    s.write_all(&ClientFrame::Fence { tag }.encode()).unwrap();
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    Ack::decode(&b).unwrap()
+}
+
+fn read_ack(s: &mut StdStream) -> Ack {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    Ack::decode(&b).unwrap()
+}
+
+fn assert_closed(s: &mut StdStream) {
+    let mut b = [0u8; 1];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adversarial_client_is_rejected_and_server_lives_on() {
+    let mut dst = Buf::zeroed(1 << 16);
+    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
+        .await
+        .unwrap();
+    let key = dst.register(&*server).0;
+    let ep = server.endpoint();
+    let base = dst.addr();
+    let ep2 = ep.clone();
+    tokio::task::spawn_blocking(move || {
+        let (mut s, desc) = raw_connect(&ep2);
+        assert_eq!(desc.regions[0].key.0, key);
+        // Out of bounds (straddles the end), wrong key, then a good write: the bad ones are
+        // drained and reported, the good one lands.
+        raw_write(&mut s, key, base + (1 << 16) - 4, &[0xee; 8]);
+        raw_write(&mut s, key ^ 0x5555, base, &[0xee; 8]);
+        raw_write(&mut s, key, u64::MAX - 2, &[0xee; 8]);
+        let ack = raw_fence(&mut s, 7);
+        assert_eq!(ack.tag, 7);
+        assert_eq!(ack.status, Some(RejectReason::OutOfBounds));
+        assert_eq!(ack.rejected, 3);
+        assert_eq!(ack.bytes, 0);
+        raw_write(&mut s, key, base + 100, b"hello");
+        let ack = raw_fence(&mut s, 8);
+        assert_eq!((ack.status, ack.bytes), (None, 5));
+
+        // Huge length: rejected, connection closed without reading a payload.
+        let (mut s, _) = raw_connect(&ep2);
+        s.write_all(
+            &ClientFrame::Write {
+                key: kvx_rdma::RegionKey(key),
+                addr: base,
+                len: u64::MAX,
+                tag: 1,
+            }
+            .encode(),
+        )
+        .unwrap();
+        let ack = read_ack(&mut s);
+        assert_eq!(ack.status, Some(RejectReason::TooLong));
+        assert_closed(&mut s);
+
+        // Malformed header kind.
+        let (mut s, _) = raw_connect(&ep2);
+        let mut bad = [0u8; HEADER_LEN];
+        bad[0] = 0x42;
+        s.write_all(&bad).unwrap();
+        assert_eq!(read_ack(&mut s).status, Some(RejectReason::BadFrame));
+        assert_closed(&mut s);
+
+        // Truncated frames: half a header; a header with half its payload; then close.
+        let (mut s, _) = raw_connect(&ep2);
+        s.write_all(&[1u8; 10]).unwrap();
+        drop(s);
+        let (mut s, _) = raw_connect(&ep2);
+        raw_write(&mut s, key, base + 1000, &[]);
+        s.write_all(
+            &ClientFrame::Write {
+                key: kvx_rdma::RegionKey(key),
+                addr: base + 2000,
+                len: 100,
+                tag: 1,
+            }
+            .encode(),
+        )
+        .unwrap();
+        s.write_all(&[0xab; 50]).unwrap();
+        drop(s);
+
+        // Bad magic, and a hello claiming a huge descriptor.
+        let mut s = StdStream::connect(&ep2).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        assert_closed(&mut s);
+        let mut s = StdStream::connect(&ep2).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut h = Hello {
+            version: 1,
+            status: 0,
+            param: 0,
+            desc_len: 0,
+        }
+        .encode();
+        h[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        s.write_all(&h).unwrap();
+        assert_closed(&mut s);
+    })
+    .await
+    .unwrap();
+
+    // Only the good 5 bytes (and the truncated write's 50 bytes, which were in bounds and
+    // under a valid key) reached memory; the rest is untouched.
+    assert_eq!(&dst.0[100..105], b"hello");
+    let other = dst
+        .0
+        .iter()
+        .enumerate()
+        .filter(|&(i, &b)| b != 0 && !(100..105).contains(&i) && !(2000..2050).contains(&i))
+        .count();
+    assert_eq!(other, 0, "rejected writes must not touch memory");
+
+    // A well-behaved client is still served.
+    let mut src = Buf::pattern(1 << 12, 9);
+    let client = TcpTransport::client(small_cfg());
+    src.register(&*client);
+    let session = client.connect(&ep).await.unwrap();
+    session
+        .write_batch(vec![TransferOp::new(src.addr(), base + 8192, 4096)])
+        .await
+        .unwrap();
+    assert_eq!(&dst.0[8192..8192 + 4096], &src.0[..]);
+}
+
+/// A fake peer that handshakes (advertising `region`) and then runs `then` on the socket.
+fn fake_peer(
+    region: SegmentDescriptor,
+    then: impl FnOnce(StdStream) + Send + Clone + 'static,
+) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut fixed = [0u8; HELLO_LEN];
+            if s.read_exact(&mut fixed).is_err() {
+                continue;
+            }
+            let h = Hello::decode(&fixed).unwrap();
+            let mut d = vec![0u8; h.desc_len as usize];
+            s.read_exact(&mut d).unwrap();
+            let enc = region.encode();
+            let reply = Hello {
+                version: wire::VERSION,
+                status: 0,
+                param: 16 << 20,
+                desc_len: enc.len() as u32,
+            };
+            s.write_all(&reply.encode()).unwrap();
+            s.write_all(&enc).unwrap();
+            let then = then.clone();
+            std::thread::spawn(move || then(s));
+        }
+    });
+    ep
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_fails_its_batch_only() {
+    let region = SegmentDescriptor {
+        endpoint: String::new(),
+        regions: vec![kvx_rdma::RegionDesc {
+            base: 1 << 30,
+            len: 1 << 30,
+            key: kvx_rdma::RegionKey(5),
+        }],
+    };
+    // The dying peer reads 1 MiB, then closes (as a killed process's kernel would).
+    let dying = fake_peer(region, |mut s| {
+        let mut sink = vec![0u8; 1 << 20];
+        let _ = s.read_exact(&mut sink);
+        drop(s);
+    });
+    let mut dst = Buf::zeroed(8 << 20);
+    let healthy = TcpTransport::bind("127.0.0.1:0", small_cfg())
+        .await
+        .unwrap();
+    dst.register(&*healthy);
+    let mut src = Buf::pattern(16 << 20, 3);
+    let client = TcpTransport::client(small_cfg());
+    src.register(&*client);
+
+    let doomed = client.connect(&dying).await.unwrap();
+    let big = vec![TransferOp::new(src.addr(), 1 << 30, 16 << 20)];
+    let good = client.connect(&healthy.endpoint()).await.unwrap();
+    let ok_op = vec![TransferOp::new(src.addr(), dst.addr(), 8 << 20)];
+    let (bad, ok) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(5), doomed.write_batch(big.clone())),
+        good.write_batch(ok_op)
+    );
+    let err = bad.expect("hang guard").unwrap_err();
+    assert!(matches!(err, TransportError::PeerLost { .. }), "{err}");
+    assert!(err.is_peer_failure());
+    assert_eq!(ok.unwrap().bytes, 8 << 20);
+    assert!(dst.0 == src.0[..8 << 20]);
+    assert!(!doomed.is_alive());
+    // Later batches on the dead session fail at once; the healthy session is still good.
+    assert!(
+        tokio::time::timeout(Duration::from_secs(5), doomed.write_batch(big))
+            .await
+            .expect("hang guard")
+            .is_err()
+    );
+    assert!(good.is_alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_peer_times_out() {
+    let region = SegmentDescriptor {
+        endpoint: String::new(),
+        regions: vec![kvx_rdma::RegionDesc {
+            base: 1 << 30,
+            len: 1 << 20,
+            key: kvx_rdma::RegionKey(5),
+        }],
+    };
+    // Reads everything, never acknowledges.
+    let silent = fake_peer(region, |mut s| {
+        let mut sink = vec![0u8; 1 << 16];
+        while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+    });
+    let mut src = Buf::pattern(1 << 20, 3);
+    let cfg = TcpConfig {
+        ack_timeout: Duration::from_millis(300),
+        ..small_cfg()
+    };
+    let client = TcpTransport::client(cfg);
+    src.register(&*client);
+    let s = client.connect(&silent).await.unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        s.write_batch(vec![TransferOp::new(src.addr(), 1 << 30, 1 << 20)]),
+    )
+    .await
+    .expect("hang guard");
+    assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_shutdown_mid_batch_fails_promptly_and_reconnect_is_refused() {
+    let mut dst = Buf::zeroed(64 << 20);
+    let server = TcpTransport::bind("127.0.0.1:0", TcpConfig::default())
+        .await
+        .unwrap();
+    dst.register(&*server);
+    let mut src = Buf::zeroed(64 << 20);
+    src.0.fill(0x77);
+    let client = TcpTransport::client(TcpConfig::default());
+    src.register(&*client);
+    let ep = server.endpoint();
+    let session = client.connect(&ep).await.unwrap();
+    let batch: Vec<_> = (0..16u64)
+        .map(|i| {
+            TransferOp::new(
+                src.addr() + i * (4 << 20),
+                dst.addr() + i * (4 << 20),
+                4 << 20,
+            )
+        })
+        .collect();
+    let fut = tokio::spawn(session.write_batch(batch));
+    // Wait until the first bytes land, then kill the receiver.
+    let probe = dst.addr() as usize;
+    tokio::task::spawn_blocking(move || {
+        // SAFETY: reading one byte of the registered destination; a torn read is harmless.
+        while unsafe { std::ptr::read_volatile(probe as *const u8) } == 0 {
+            std::thread::yield_now();
+        }
+    })
+    .await
+    .unwrap();
+    server.shutdown().await;
+    let r = tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .expect("hang guard")
+        .unwrap();
+    // Either the kill landed mid-batch (peer lost) or the batch had already been fully acked.
+    if let Err(e) = r {
+        assert!(e.is_peer_failure(), "{e}");
+        assert!(!session.is_alive());
+    }
+    // Whatever the race, the receiver is gone now: a new batch fails promptly and a fresh
+    // session cannot be opened.
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        session.write_batch(vec![TransferOp::new(src.addr(), dst.addr(), 4 << 20)]),
+    )
+    .await
+    .expect("hang guard");
+    assert!(matches!(&r, Err(e) if e.is_peer_failure()), "{r:?}");
+    assert!(matches!(
+        client.open_session(&ep).await.map(|_| ()),
+        Err(TransportError::PeerUnreachable { .. })
+    ));
+}
