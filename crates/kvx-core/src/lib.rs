@@ -26,6 +26,7 @@ pub mod op;
 pub mod peer;
 pub mod planner;
 pub mod poll;
+pub mod prefill;
 pub mod room;
 
 pub use chunk::{Chunk, PageSlice};
@@ -39,4 +40,5 @@ pub use peer::{
 };
 pub use planner::{BatchLimits, Plan, PlanError, PlanPart};
 pub use poll::KVPoll;
+pub use prefill::{PrefillAction, PrefillConfig, PrefillEvent, PrefillManager};
 pub use room::{Room, RoomParseError};

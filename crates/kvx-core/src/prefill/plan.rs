@@ -1,0 +1,156 @@
+//! Per-session chunk planning for the prefill manager: pick the path, slice the destination
+//! pages, and build the validated plan (KV, then state and aux on the last chunk).
+
+use super::types::{LocalMemory, PrefillConfig, RoomError, TransferPath};
+use crate::layout::{AttentionKind, KvLayout, StateComponent};
+use crate::peer::{DecodeRegistration, Destination, SessionId};
+use crate::planner::{
+    HeadSliceParams, Plan, PlanError, PlanPart, plan_aux, plan_kv_equal, plan_kv_head_slice,
+    plan_state,
+};
+use crate::{Chunk, Room};
+
+/// A registered decode session and its derived KV layout.
+#[derive(Clone, Debug)]
+pub(crate) struct Session {
+    pub reg: DecodeRegistration,
+    pub kv: KvLayout,
+}
+
+impl Session {
+    pub fn new(reg: DecodeRegistration, local: &LocalMemory) -> Self {
+        let kv = KvLayout::from_registration(&reg, local.kv.kind, None, local.kv.page_size);
+        Session { reg, kv }
+    }
+
+    /// True when the decode holds no KV (only aux/state travel).
+    pub fn has_kv(&self) -> bool {
+        !self.reg.kv_ptrs.is_empty() && self.reg.dst_kv_item_len > 0
+    }
+
+    /// The path for this session's KV.
+    pub fn path(&self, cfg: &PrefillConfig, local: &LocalMemory) -> TransferPath {
+        if !self.has_kv() || local.kv.buffers.is_empty() {
+            TransferPath::NoKv
+        } else if local.kv.kind == AttentionKind::Mla
+            || self.reg.dst_attn_tp_size == cfg.attn_tp_size
+        {
+            TransferPath::EqualTp
+        } else if cfg.staging && self.reg.staging.advertised() {
+            TransferPath::Staging
+        } else {
+            TransferPath::HeadSlice
+        }
+    }
+}
+
+/// What one chunk needs for one session.
+pub(crate) struct SessionWork {
+    pub path: TransferPath,
+    /// Writes to post (KV unless staged, plus state and aux on the last chunk).
+    pub plan: Plan,
+    /// For the staging path: (source pages, destination pages) of the chunk's KV.
+    pub staged: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+fn plan_err(room: Room, session: &SessionId) -> impl Fn(PlanError) -> RoomError + '_ {
+    move |source| RoomError::Plan {
+        room,
+        session: session.clone(),
+        source,
+    }
+}
+
+/// Plans `chunk` of `room` for one non-dummy session.
+pub(crate) fn plan_chunk(
+    cfg: &PrefillConfig,
+    local: &LocalMemory,
+    room: Room,
+    session: &Session,
+    dst: &Destination,
+    chunk: &Chunk,
+    aux_row: u64,
+) -> Result<SessionWork, RoomError> {
+    let sid = &session.reg.session;
+    let err = plan_err(room, sid);
+    let s = chunk.slice;
+    let dst_pages = dst
+        .kv_pages
+        .get(s.start..s.end)
+        .ok_or_else(|| RoomError::SliceOutOfRange {
+            room,
+            session: sid.clone(),
+            start: s.start,
+            end: s.end,
+            have: dst.kv_pages.len(),
+        })?;
+    // A longer source list is truncated to the destination (as sglang does); a shorter one is
+    // an error in the planner.
+    let src_pages = chunk
+        .src_pages
+        .get(..dst_pages.len())
+        .unwrap_or(&chunk.src_pages);
+    let mut path = session.path(cfg, local);
+    if dst_pages.is_empty() && path != TransferPath::NoKv {
+        path = TransferPath::NoKv;
+    }
+    let mut plan = Plan::new();
+    let mut staged = None;
+    match path {
+        TransferPath::NoKv => {}
+        TransferPath::EqualTp => {
+            let p = plan_kv_equal(&local.kv, &session.kv, src_pages, dst_pages).map_err(&err)?;
+            plan.push(PlanPart::Paged(p));
+        }
+        TransferPath::HeadSlice => {
+            let params = HeadSliceParams {
+                total_kv_heads: cfg.total_kv_heads,
+                src_tp_size: cfg.attn_tp_size,
+                src_tp_rank: cfg.attn_tp_rank,
+                dst_tp_size: session.reg.dst_attn_tp_size,
+                dst_tp_rank: session.reg.dst_tp_rank,
+            };
+            let p = plan_kv_head_slice(&local.kv, &session.kv, &params, src_pages, dst_pages)
+                .map_err(&err)?;
+            plan.push(PlanPart::HeadSlice(p));
+        }
+        TransferPath::Staging => {
+            if src_pages.len() != dst_pages.len() {
+                return Err(err(PlanError::LengthMismatch {
+                    src: src_pages.len(),
+                    dst: dst_pages.len(),
+                }));
+            }
+            staged = Some((src_pages.to_vec(), dst_pages.to_vec()));
+        }
+    }
+    if chunk.is_last {
+        let equal_tp =
+            session.reg.dst_attn_tp_size == cfg.attn_tp_size || local.kv.kind == AttentionKind::Mla;
+        for (i, comp) in local.state.iter().enumerate() {
+            let (Some(src_idx), Some(dst_idx)) = (chunk.src_state.get(i), dst.state_indices.get(i))
+            else {
+                continue;
+            };
+            if src_idx.is_empty() && dst_idx.is_empty() {
+                continue;
+            }
+            if !equal_tp {
+                return Err(err(PlanError::HeadSliceConfig(
+                    "state components need equal attention TP",
+                )));
+            }
+            let remote = StateComponent::from_registration(&session.reg, i, comp.kind)
+                .map_err(|e| err(e.into()))?;
+            plan.push(plan_state(comp, &remote, src_idx, dst_idx).map_err(&err)?);
+        }
+        let dst_row = u64::try_from(dst.aux_index).map_err(|_| RoomError::BadMetadata {
+            room,
+            session: sid.clone(),
+            what: "negative aux index",
+        })?;
+        let aux = plan_aux(&local.aux, aux_row, &session.reg.aux_ptrs, dst_row).map_err(&err)?;
+        plan.push(PlanPart::Ops(aux));
+    }
+    Ok(SessionWork { path, plan, staged })
+}

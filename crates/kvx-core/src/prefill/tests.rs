@@ -1,0 +1,709 @@
+//! Prefill manager tests: the sglang flows, failure rules, and random event sequences that must
+//! never lower a status nor leak a per-room entry.
+
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::layout::{AuxLayout, KvLayout};
+use crate::peer::{Destination, StagingRingInfo};
+use crate::planner::BatchLimits;
+use crate::{Chunk, PageSlice, TransferOp};
+
+const KP: u64 = 0x7f00_0000_0000;
+const KD: u64 = 0x7e00_0000_0000;
+const AUX_P: u64 = 0x6f00_0000_0000;
+const AUX_D: u64 = 0x6e00_0000_0000;
+
+fn local() -> LocalMemory {
+    let aux_ptrs: Vec<u64> = (0..10).map(|i| AUX_P + (i << 20)).collect();
+    LocalMemory {
+        kv: KvLayout::mha_contiguous(KP, 2, 2048, 64, 1),
+        aux: AuxLayout::sglang_default(&aux_ptrs, Some(16)).unwrap(),
+        state: Vec::new(),
+    }
+}
+
+fn session(n: u16) -> SessionId {
+    SessionId::new(format!("10.0.0.{n}:{}", 15000 + n))
+}
+
+fn endpoint(n: u16) -> Endpoint {
+    Endpoint::new(format!("10.0.0.{n}"), 41000 + n)
+}
+
+fn registration(n: u16, tp_size: u32) -> DecodeRegistration {
+    let kv = KvLayout::mha_contiguous(KD + (u64::from(n) << 32), 2, 2048, 64, 1);
+    DecodeRegistration {
+        endpoint: endpoint(n),
+        session: session(n),
+        kv_ptrs: kv.buffers.iter().map(|b| b.addr).collect(),
+        aux_ptrs: (0..10)
+            .map(|i| AUX_D + (u64::from(n) << 32) + (i << 20))
+            .collect(),
+        state_ptrs: Vec::new(),
+        dst_tp_rank: 0,
+        dst_attn_tp_size: tp_size,
+        dst_kv_item_len: 2048,
+        state_item_lens: Vec::new(),
+        state_dim_per_tensor: Vec::new(),
+        kv_layer_ids: Vec::new(),
+        state_layer_ids: Vec::new(),
+        staging: StagingRingInfo::default(),
+        dcp_size: 1,
+        dcp_rank: 0,
+        staging_slot_layer_ids: None,
+    }
+}
+
+fn metadata(room: Room, n: u16, pages: Option<Vec<i32>>, required: u32) -> TransferRequest {
+    TransferRequest {
+        room,
+        endpoint: endpoint(n),
+        session: session(n),
+        dst: pages.map(|kv_pages| Destination {
+            kv_pages,
+            aux_index: 7,
+            state_indices: Vec::new(),
+        }),
+        required_dst_info_num: required,
+        decode_prefix_len: Some(0),
+        device_kv_pages: Vec::new(),
+    }
+}
+
+struct Harness {
+    mgr: PrefillManager,
+    now: Instant,
+    out: Vec<PrefillAction>,
+}
+
+impl Harness {
+    fn new(cfg: PrefillConfig) -> Self {
+        Harness {
+            mgr: PrefillManager::new(cfg, local()),
+            now: Instant::now(),
+            out: Vec::new(),
+        }
+    }
+
+    fn ev(&mut self, e: PrefillEvent) -> Vec<PrefillAction> {
+        self.out.clear();
+        self.mgr.handle(self.now, e, &mut self.out).unwrap();
+        std::mem::take(&mut self.out)
+    }
+
+    fn open(&mut self, room: Room) {
+        self.ev(PrefillEvent::SenderCreated { room });
+        self.ev(PrefillEvent::SenderInit {
+            room,
+            num_pages: 4,
+            aux_row: 3,
+        });
+    }
+}
+
+fn room(n: u64) -> Room {
+    Room::new(n).unwrap()
+}
+
+fn batches(actions: &[PrefillAction]) -> Vec<(BatchId, Vec<TransferOp>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            PrefillAction::PostBatch { batch_id, ops, .. } => Some((*batch_id, ops.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn statuses(actions: &[PrefillAction]) -> Vec<(Endpoint, KVPoll)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            PrefillAction::SendStatus {
+                endpoint, status, ..
+            } => Some((endpoint.clone(), *status)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn done(id: BatchId) -> PrefillEvent {
+    PrefillEvent::BatchDone {
+        batch_id: id,
+        result: Ok(()),
+    }
+}
+
+#[test]
+fn happy_path_two_chunks() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(1_234_567_890_123_456_789);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Bootstrapping));
+    h.ev(PrefillEvent::Metadata(metadata(
+        r,
+        2,
+        Some(vec![5, 6, 7, 9]),
+        1,
+    )));
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::WaitingForInput));
+
+    let chunk = Chunk::new(PageSlice::new(0, 4).unwrap(), vec![10, 11, 12, 40]);
+    let a = h.ev(PrefillEvent::Chunk { room: r, chunk });
+    let b = batches(&a);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].1.len(), 8);
+    assert_eq!(
+        b[0].1[0],
+        TransferOp::new(KP + 20480, (KD + (2 << 32)) + 10240, 6144)
+    );
+    assert!(matches!(
+        a[0],
+        PrefillAction::PostBatch {
+            path: TransferPath::EqualTp,
+            ..
+        }
+    ));
+
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::empty_last(4),
+    });
+    // Room row first, then the aux batch (10 rows, coalescing cannot merge distinct buffers).
+    assert_eq!(
+        a[0],
+        PrefillAction::FillRoomRow {
+            room: r,
+            addr: AUX_P + (9 << 20) + 3 * 64,
+            len: 64
+        }
+    );
+    let aux = batches(&a);
+    assert_eq!(aux.len(), 1);
+    assert_eq!(aux[0].1.len(), 10);
+    assert_eq!(aux[0].1[9].dst, AUX_D + (2 << 32) + (9 << 20) + 7 * 64);
+
+    assert!(statuses(&h.ev(done(b[0].0))).is_empty());
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::WaitingForInput));
+    let a = h.ev(done(aux[0].0));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Success)]);
+    assert!(matches!(
+        a.last(),
+        Some(PrefillAction::Concluded {
+            status: KVPoll::Success,
+            ..
+        })
+    ));
+    assert!(h.mgr.live_entries().is_empty());
+    assert_eq!(h.mgr.poll(r), None);
+}
+
+#[test]
+fn metadata_before_sender_and_fan_in() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(9);
+    h.ev(PrefillEvent::Register(registration(2, 2)));
+    h.ev(PrefillEvent::Register(registration(3, 2)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Bootstrapping));
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![1]), 2)));
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::WaitingForInput));
+    h.open(r);
+    // Sender creation (Bootstrapping) cannot lower the state.
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::WaitingForInput));
+    assert_eq!(h.mgr.decode_prefix_len(r), Some(0));
+}
+
+#[test]
+fn dummy_destinations_succeed_silently() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(5);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 4, None, 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 2).unwrap(), vec![1, 2]).last(),
+    });
+    assert!(batches(&a).is_empty() && statuses(&a).is_empty());
+    assert!(matches!(
+        a.as_slice(),
+        [PrefillAction::Concluded {
+            status: KVPoll::Success,
+            ..
+        }]
+    ));
+    assert!(h.mgr.live_entries().is_empty());
+}
+
+#[test]
+fn write_failure_fails_room_notifies_all_and_marks_session() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(77);
+    for n in [2, 3] {
+        h.ev(PrefillEvent::Register(registration(n, 1)));
+    }
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 3)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![4, 5]), 3)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 9, None, 3)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 2).unwrap(), vec![8, 9]).last(),
+    });
+    let b = batches(&a);
+    assert_eq!(b.len(), 2);
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: b[0].0,
+        result: Err("remote key rejected".into()),
+    });
+    assert_eq!(
+        statuses(&a),
+        vec![(endpoint(2), KVPoll::Failed), (endpoint(3), KVPoll::Failed)]
+    );
+    let reason = h.mgr.failure(r).unwrap().to_string();
+    assert!(
+        reason.contains("Failed to send kv chunk of 77") && reason.contains("remote key rejected")
+    );
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
+    assert!(h.mgr.session_failed(&session(2), h.now));
+    // The second batch drains; no second status, then the room is released.
+    let a = h.ev(done(b[1].0));
+    assert!(statuses(&a).is_empty());
+    assert!(h.mgr.live_entries().is_empty());
+
+    // Another room towards the failed session fails at once, without a write.
+    let r2 = room(78);
+    h.open(r2);
+    h.ev(PrefillEvent::Metadata(metadata(r2, 2, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r2,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
+    });
+    assert!(batches(&a).is_empty());
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    // Re-registration clears the mark; the TTL would too.
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert!(!h.mgr.session_failed(&session(2), h.now));
+}
+
+#[test]
+fn failed_session_mark_expires() {
+    let cfg = PrefillConfig {
+        failed_session_ttl: Duration::from_secs(10),
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    let r = room(3);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
+    });
+    h.ev(PrefillEvent::BatchDone {
+        batch_id: batches(&a)[0].0,
+        result: Err("x".into()),
+    });
+    assert!(h.mgr.session_failed(&session(2), h.now));
+    h.now += Duration::from_secs(10);
+    assert!(!h.mgr.session_failed(&session(2), h.now));
+    h.ev(PrefillEvent::Tick);
+    assert!(h.mgr.failed.is_empty());
+}
+
+#[test]
+fn bootstrap_timeout() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(11);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
+    h.now += Duration::from_secs(299);
+    assert!(h.ev(PrefillEvent::Tick).is_empty());
+    h.now += Duration::from_secs(1);
+    let a = h.ev(PrefillEvent::Tick);
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    let Some(PrefillAction::Concluded {
+        reason: Some(reason),
+        ..
+    }) = a.last()
+    else {
+        panic!("expected a conclusion");
+    };
+    assert_eq!(
+        reason.to_string(),
+        "Request 11 timed out after 300.0s in KVPoll.Bootstrapping"
+    );
+    assert!(h.mgr.live_entries().is_empty());
+}
+
+#[test]
+fn abort_ack_waits_for_drain() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(21);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]),
+    });
+    let b = batches(&a);
+    let a = h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+    });
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, PrefillAction::AbortAck { .. }))
+    );
+    assert!(statuses(&a).is_empty());
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
+    assert_eq!(h.mgr.live_entries().pending_acks, 1);
+    let a = h.ev(done(b[0].0));
+    assert_eq!(
+        a,
+        vec![PrefillAction::AbortAck {
+            room: r,
+            endpoint: endpoint(2),
+            prefill_rank: 0
+        }]
+    );
+    assert!(h.mgr.live_entries().is_empty());
+    // Unknown rooms are acked at once.
+    let a = h.ev(PrefillEvent::Abort {
+        room: room(999),
+        endpoint: endpoint(2),
+    });
+    assert!(matches!(a.as_slice(), [PrefillAction::AbortAck { .. }]));
+}
+
+#[test]
+fn unknown_session_fails_room_before_sender() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(31);
+    let a = h.ev(PrefillEvent::Metadata(metadata(r, 5, Some(vec![1]), 1)));
+    assert_eq!(statuses(&a), vec![(endpoint(5), KVPoll::Failed)]);
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
+    // Held until the sender exists, then concluded and released.
+    let a = h.ev(PrefillEvent::SenderCreated { room: r });
+    assert!(matches!(
+        a.as_slice(),
+        [PrefillAction::Concluded {
+            status: KVPoll::Failed,
+            reason: Some(RoomError::UnregisteredSession { .. }),
+            ..
+        }]
+    ));
+    assert!(h.mgr.live_entries().is_empty());
+}
+
+#[test]
+fn path_selection_and_bounded_batches() {
+    let cfg = PrefillConfig {
+        attn_tp_size: 1,
+        total_kv_heads: 8,
+        batch_limits: BatchLimits::new(3, 1 << 20).unwrap(),
+        staging: true,
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    let mut staged = registration(3, 2);
+    staged.staging.base = Some(0x1000);
+    let mut sliced = registration(2, 2);
+    sliced.dst_kv_item_len = 1024;
+    h.ev(PrefillEvent::Register(sliced));
+    h.ev(PrefillEvent::Register(staged));
+    h.ev(PrefillEvent::Register(registration(4, 1)));
+    assert_eq!(h.mgr.path_for(&session(2)), Some(TransferPath::HeadSlice));
+    assert_eq!(h.mgr.path_for(&session(3)), Some(TransferPath::Staging));
+    assert_eq!(h.mgr.path_for(&session(4)), Some(TransferPath::EqualTp));
+
+    let r = room(41);
+    h.open(r);
+    for n in [2, 3] {
+        h.ev(PrefillEvent::Metadata(metadata(
+            r,
+            n,
+            Some(vec![1, 3, 5, 7]),
+            2,
+        )));
+    }
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 4).unwrap(), vec![2, 4, 6, 8, 10]),
+    });
+    // Head slice: 4 pages × 4 buffers = 16 ops of 1024 bytes in batches of at most 3.
+    let b = batches(&a);
+    assert_eq!(b.len(), 6);
+    assert!(b.iter().all(|(_, ops)| ops.len() <= 3));
+    assert_eq!(b.iter().map(|(_, o)| o.len()).sum::<usize>(), 16);
+    let stage: Vec<_> = a
+        .iter()
+        .filter_map(|x| match x {
+            PrefillAction::Stage {
+                src_pages,
+                dst_pages,
+                ..
+            } => Some((src_pages.clone(), dst_pages.clone())),
+            _ => None,
+        })
+        .collect();
+    // The source list was truncated to the destination length.
+    assert_eq!(stage, vec![(vec![2, 4, 6, 8], vec![1, 3, 5, 7])]);
+    assert_eq!(h.mgr.live_entries().batches, 7);
+}
+
+#[test]
+fn bad_chunks_fail_the_room() {
+    let mut h = Harness::new(PrefillConfig::default());
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    // Before metadata completed.
+    let r = room(51);
+    h.open(r);
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::empty_last(0),
+    });
+    assert!(matches!(
+        a.last(),
+        Some(PrefillAction::Concluded {
+            reason: Some(RoomError::NotReady { .. }),
+            ..
+        })
+    ));
+    // Slice beyond the destination pages, and a page beyond the local buffers.
+    for (r, slice, pages) in [
+        (room(52), (0, 3), vec![1, 2, 3]),
+        (room(53), (0, 1), vec![64]),
+    ] {
+        h.open(r);
+        h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 1)));
+        let chunk = Chunk::new(PageSlice::new(slice.0, slice.1).unwrap(), pages);
+        let a = h.ev(PrefillEvent::Chunk { room: r, chunk });
+        assert!(batches(&a).is_empty());
+        assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    }
+    assert!(h.mgr.live_entries().is_empty());
+    // Events for unknown rooms and batches are typed errors, not panics.
+    let mut out = Vec::new();
+    assert_eq!(
+        h.mgr.handle(h.now, done(BatchId(12345)), &mut out),
+        Err(PrefillError::UnknownBatch(BatchId(12345)))
+    );
+    assert_eq!(
+        h.mgr
+            .handle(h.now, PrefillEvent::LocalAbort { room: room(1) }, &mut out),
+        Err(PrefillError::UnknownRoom(room(1)))
+    );
+}
+
+#[test]
+fn unique_rank() {
+    let cfg = PrefillConfig {
+        attn_tp_rank: 3,
+        pp_size: 2,
+        pp_rank: 1,
+        cp_size: 4,
+        cp_rank: 2,
+        ..PrefillConfig::default()
+    };
+    assert_eq!(cfg.prefill_unique_rank(), 3 * 8 + 4 + 2);
+}
+
+/// One step of a random event sequence.
+#[derive(Clone, Debug)]
+enum Step {
+    Register(u16),
+    Meta {
+        room: u64,
+        n: u16,
+        dummy: bool,
+        required: u32,
+    },
+    Open(u64),
+    Chunk {
+        room: u64,
+        last: bool,
+        pages: u8,
+    },
+    Done {
+        pick: usize,
+        ok: bool,
+    },
+    Abort(u64),
+    LocalAbort(u64),
+    Advance(u64),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (2u16..5).prop_map(Step::Register),
+        (1u64..5, 2u16..5, any::<bool>(), 0u32..3).prop_map(|(room, n, dummy, required)| {
+            Step::Meta {
+                room,
+                n,
+                dummy,
+                required,
+            }
+        }),
+        (1u64..5).prop_map(Step::Open),
+        (1u64..5, any::<bool>(), 0u8..3).prop_map(|(room, last, pages)| Step::Chunk {
+            room,
+            last,
+            pages
+        }),
+        (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::Done { pick, ok }),
+        (1u64..5).prop_map(Step::Abort),
+        (1u64..5).prop_map(Step::LocalAbort),
+        (0u64..400).prop_map(Step::Advance),
+    ]
+}
+
+impl Harness {
+    /// Applies a step, ignoring dropped events; returns posted batch ids.
+    fn apply(&mut self, s: &Step, outstanding: &mut Vec<BatchId>) {
+        let e = match *s {
+            Step::Register(n) => PrefillEvent::Register(registration(n, 1)),
+            Step::Meta {
+                room: r,
+                n,
+                dummy,
+                required,
+            } => PrefillEvent::Metadata(metadata(
+                room(r),
+                n,
+                (!dummy).then(|| vec![1, 2, 3, 4]),
+                required,
+            )),
+            Step::Open(r) => {
+                self.out.clear();
+                let _ = self.mgr.handle(
+                    self.now,
+                    PrefillEvent::SenderCreated { room: room(r) },
+                    &mut self.out,
+                );
+                PrefillEvent::SenderInit {
+                    room: room(r),
+                    num_pages: 4,
+                    aux_row: r,
+                }
+            }
+            Step::Chunk {
+                room: r,
+                last,
+                pages,
+            } => {
+                let held = self.mgr.rooms.get(&room(r));
+                let start = if held.is_some_and(|x| x.inflight > 0) {
+                    2
+                } else {
+                    0
+                };
+                let end = start + usize::from(pages);
+                let mut chunk = Chunk::new(
+                    PageSlice::new(start, end).unwrap(),
+                    (start..end).map(|p| 10 + p as i32).collect(),
+                );
+                chunk.is_last = last;
+                PrefillEvent::Chunk {
+                    room: room(r),
+                    chunk,
+                }
+            }
+            Step::Done { pick, ok } => {
+                if outstanding.is_empty() {
+                    return;
+                }
+                let id = outstanding.swap_remove(pick % outstanding.len());
+                PrefillEvent::BatchDone {
+                    batch_id: id,
+                    result: if ok { Ok(()) } else { Err("injected".into()) },
+                }
+            }
+            Step::Abort(r) => PrefillEvent::Abort {
+                room: room(r),
+                endpoint: endpoint(2),
+            },
+            Step::LocalAbort(r) => PrefillEvent::LocalAbort { room: room(r) },
+            Step::Advance(secs) => {
+                self.now += Duration::from_secs(secs);
+                PrefillEvent::Tick
+            }
+        };
+        let mut out = std::mem::take(&mut self.out);
+        out.clear();
+        let _ = self.mgr.handle(self.now, e, &mut out);
+        for a in &out {
+            match a {
+                PrefillAction::PostBatch { batch_id, .. }
+                | PrefillAction::Stage { batch_id, .. } => outstanding.push(*batch_id),
+                _ => {}
+            }
+        }
+        self.out = out;
+    }
+
+    /// Invariants that hold after every step.
+    fn check(&self) -> Result<(), TestCaseError> {
+        for (room, rs) in &self.mgr.rooms {
+            let mine = self.mgr.batches.values().filter(|(r, _)| r == room).count();
+            prop_assert_eq!(mine, rs.inflight);
+            let releasable = rs.status.is_terminal()
+                && rs.inflight == 0
+                && rs.sender.is_some()
+                && rs.pending_acks.is_empty();
+            prop_assert!(!releasable, "room {} should have been released", room);
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #[test]
+    fn random_sequences_never_lower_status_nor_leak(steps in proptest::collection::vec(step(), 1..60)) {
+        let mut h = Harness::new(PrefillConfig::default());
+        let mut outstanding = Vec::new();
+        let mut held: std::collections::HashMap<Room, KVPoll> = Default::default();
+        for s in &steps {
+            h.apply(s, &mut outstanding);
+            h.check()?;
+            for a in &h.out {
+                if let PrefillAction::Concluded { status, .. } = a {
+                    prop_assert!(status.is_terminal());
+                }
+            }
+            // While a room stays held its status never goes down and Failed sticks.
+            for r in (1..5).map(room) {
+                match (h.mgr.poll(r), held.get(&r).copied()) {
+                    (None, _) => {
+                        held.remove(&r);
+                    }
+                    (Some(now), old) => {
+                        if let Some(old) = old {
+                            prop_assert_eq!(old.update(now), now, "{} went {} -> {}", r, old, now);
+                        }
+                        held.insert(r, now);
+                    }
+                }
+            }
+        }
+        // Drain: complete every batch, abort every room locally, let orphans time out.
+        while let Some(id) = outstanding.pop() {
+            h.apply(&Step::Done { pick: 0, ok: true }, &mut vec![id]);
+            h.check()?;
+        }
+        for r in 1..5 {
+            h.apply(&Step::Open(r), &mut outstanding);
+            h.apply(&Step::LocalAbort(r), &mut outstanding);
+        }
+        h.apply(&Step::Advance(301), &mut outstanding);
+        prop_assert!(outstanding.is_empty());
+        prop_assert!(h.mgr.live_entries().is_empty(), "{:?}", h.mgr.live_entries());
+    }
+}
