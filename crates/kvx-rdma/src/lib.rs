@@ -24,6 +24,7 @@
 //! ```
 
 pub mod error;
+pub mod local;
 pub mod mem;
 pub mod segment;
 pub mod tcp;
@@ -32,6 +33,7 @@ pub mod transport;
 pub mod verbs;
 
 pub use error::{RejectReason, TransportError};
+pub use local::LocalTransport;
 pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
 pub use tcp::{TcpConfig, TcpTransport};
 pub use transport::{BatchReport, BoxFuture, Session, Transport, write_to};
