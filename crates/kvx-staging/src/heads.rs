@@ -1,0 +1,257 @@
+//! Heterogeneous attention-TP geometry: which KV heads a prefill rank sends to which decode
+//! rank, and how the staged writers of a chunk are laid out in the decode's ring region. The
+//! head arithmetic is spec §5.4's (the same as `kvx_core::planner::HeadSliceParams`, whose
+//! per-token plan is the baseline staging must reproduce byte for byte).
+//!
+//! Notation (spec §5.4): `T` total KV heads, `Pt`/`Dt` prefill/decode attention-TP sizes,
+//! `hs = max(1, T/Pt)` heads per prefill rank, `hd = max(1, T/Dt)` heads per decode rank, `bph`
+//! bytes of one head of one token. KV buffers are listed as sglang's MHA pool lists them:
+//! `[K layer0 … K layer(L-1), V layer0 … V layer(L-1)]`, each page `item_len` bytes, token-major
+//! (`page_size` slots of `item_len / page_size` bytes, heads inside a slot).
+
+/// Why a TP geometry is invalid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// A size was zero or the TP sizes do not divide each other.
+    #[error("invalid TP geometry: {0}")]
+    Invalid(&'static str),
+}
+
+/// Attention-TP sizes of both sides and the model's KV head count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TpGeometry {
+    /// Total KV heads of the model (`T`).
+    pub total_kv_heads: u32,
+    /// Prefill attention-TP size (`Pt`).
+    pub prefill_tp: u32,
+    /// Decode attention-TP size (`Dt`).
+    pub decode_tp: u32,
+}
+
+/// Which heads one prefill rank sends to one decode rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadSlice {
+    /// First head in the prefill rank's local heads.
+    pub src_head: u32,
+    /// First head in the decode rank's local heads.
+    pub dst_head: u32,
+    /// Number of heads.
+    pub n_heads: u32,
+}
+
+impl TpGeometry {
+    /// A geometry; all sizes non-zero and the larger TP a multiple of the smaller.
+    pub fn new(
+        total_kv_heads: u32,
+        prefill_tp: u32,
+        decode_tp: u32,
+    ) -> Result<Self, GeometryError> {
+        if total_kv_heads == 0 || prefill_tp == 0 || decode_tp == 0 {
+            return Err(GeometryError::Invalid("zero heads or TP size"));
+        }
+        if !prefill_tp
+            .max(decode_tp)
+            .is_multiple_of(prefill_tp.min(decode_tp))
+        {
+            return Err(GeometryError::Invalid("TP sizes do not divide"));
+        }
+        Ok(TpGeometry {
+            total_kv_heads,
+            prefill_tp,
+            decode_tp,
+        })
+    }
+
+    /// Heads held by one prefill rank (`hs`).
+    pub fn prefill_heads(&self) -> u32 {
+        (self.total_kv_heads / self.prefill_tp).max(1)
+    }
+
+    /// Heads held by one decode rank (`hd`).
+    pub fn decode_heads(&self) -> u32 {
+        (self.total_kv_heads / self.decode_tp).max(1)
+    }
+
+    /// Staged writers per chunk: `Pt/Dt` when `Pt > Dt`, else 1.
+    pub fn num_writers(&self) -> u32 {
+        if self.prefill_tp > self.decode_tp {
+            self.prefill_tp / self.decode_tp
+        } else {
+            1
+        }
+    }
+
+    /// A prefill rank's writer index within its decode rank's chunk region.
+    pub fn writer_index(&self, prefill_rank: u32) -> u32 {
+        (prefill_rank % self.prefill_tp) % self.num_writers()
+    }
+
+    /// The spec §5.4 slice a prefill rank sends to a decode rank.
+    pub fn slice(&self, prefill_rank: u32, decode_rank: u32) -> HeadSlice {
+        let t = self.total_kv_heads;
+        let (pt, dt) = (self.prefill_tp, self.decode_tp);
+        let (hs, hd) = (self.prefill_heads(), self.decode_heads());
+        let lr = prefill_rank % pt;
+        let dr = decode_rank % dt;
+        if pt > dt {
+            HeadSlice {
+                src_head: 0,
+                dst_head: ((lr / (pt / t).max(1)) * hs) % hd,
+                n_heads: hs,
+            }
+        } else {
+            HeadSlice {
+                src_head: ((dr / (dt / t).max(1)) * hd) % hs,
+                dst_head: 0,
+                n_heads: hd,
+            }
+        }
+    }
+
+    /// The prefill ranks that write to a decode rank, in writer-index order (spec §4.3).
+    pub fn prefill_sources(&self, decode_rank: u32) -> Vec<u32> {
+        let dr = decode_rank % self.decode_tp;
+        if self.prefill_tp > self.decode_tp {
+            let k = self.prefill_tp / self.decode_tp;
+            (dr * k..(dr + 1) * k).collect()
+        } else {
+            vec![dr / (self.decode_tp / self.prefill_tp)]
+        }
+    }
+
+    /// The decode ranks a prefill rank writes to.
+    pub fn decode_targets(&self, prefill_rank: u32) -> Vec<u32> {
+        let lr = prefill_rank % self.prefill_tp;
+        if self.prefill_tp > self.decode_tp {
+            vec![lr / (self.prefill_tp / self.decode_tp)]
+        } else {
+            let k = self.decode_tp / self.prefill_tp;
+            (lr * k..(lr + 1) * k).collect()
+        }
+    }
+}
+
+/// One writer's share of a staged chunk region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Writer {
+    /// The writing prefill rank.
+    pub prefill_rank: u32,
+    /// Heads it writes.
+    pub heads: u32,
+    /// Where they go among the decode rank's heads.
+    pub dst_head: u32,
+}
+
+/// How a decode rank's staged chunk region is laid out: one block per writer, back to back in
+/// writer-index order; each block `[K layer0 | … | K layer(L-1) | V layer0 | …]`, each layer
+/// `tokens × heads × bph` bytes, token-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedLayout {
+    /// KV layers `L` (the block holds `2L` layer slices).
+    pub layers: u32,
+    /// Bytes of one head of one token (`bph`).
+    pub bytes_per_head_token: u64,
+    /// Tokens per page.
+    pub page_size: u64,
+    /// Writers in writer-index order.
+    pub writers: Vec<Writer>,
+}
+
+impl StagedLayout {
+    /// The layout of `decode_rank`'s chunks under `geom`.
+    pub fn for_decode(
+        geom: &TpGeometry,
+        decode_rank: u32,
+        layers: u32,
+        bytes_per_head_token: u64,
+        page_size: u64,
+    ) -> Self {
+        let writers = geom
+            .prefill_sources(decode_rank)
+            .into_iter()
+            .map(|pr| {
+                let s = geom.slice(pr, decode_rank);
+                Writer {
+                    prefill_rank: pr,
+                    heads: s.n_heads,
+                    dst_head: s.dst_head,
+                }
+            })
+            .collect();
+        StagedLayout {
+            layers,
+            bytes_per_head_token,
+            page_size,
+            writers,
+        }
+    }
+
+    /// Bytes writer `w` stages for a chunk of `pages` pages (0 for an unknown writer).
+    pub fn writer_bytes(&self, w: usize, pages: u64) -> u64 {
+        self.writers.get(w).map_or(0, |wr| {
+            pages
+                .saturating_mul(self.page_size)
+                .saturating_mul(u64::from(wr.heads))
+                .saturating_mul(self.bytes_per_head_token)
+                .saturating_mul(2 * u64::from(self.layers))
+        })
+    }
+
+    /// Byte offset of writer `w`'s block: Σ bytes of writers with a lower index.
+    pub fn writer_offset(&self, w: usize, pages: u64) -> u64 {
+        (0..w.min(self.writers.len()))
+            .map(|i| self.writer_bytes(i, pages))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Bytes of the whole chunk region (all writers).
+    pub fn chunk_bytes(&self, pages: u64) -> u64 {
+        self.writer_offset(self.writers.len(), pages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_many_to_one_and_one_to_many() {
+        // 8 heads, TP2 -> TP1: each prefill rank sends its 4 heads to offsets 0 and 4.
+        let g = TpGeometry::new(8, 2, 1).unwrap();
+        assert_eq!(g.num_writers(), 2);
+        assert_eq!(
+            g.slice(1, 0),
+            HeadSlice {
+                src_head: 0,
+                dst_head: 4,
+                n_heads: 4
+            }
+        );
+        assert_eq!(g.prefill_sources(0), vec![0, 1]);
+        // 8 heads, TP1 -> TP2: rank 0 sends heads 4..8 to decode rank 1.
+        let g = TpGeometry::new(8, 1, 2).unwrap();
+        assert_eq!(
+            g.slice(0, 1),
+            HeadSlice {
+                src_head: 4,
+                dst_head: 0,
+                n_heads: 4
+            }
+        );
+        assert_eq!(g.decode_targets(0), vec![0, 1]);
+        // GQA replication: 2 heads on TP4 -> TP1; ranks 0,1 hold head 0, ranks 2,3 head 1.
+        let g = TpGeometry::new(2, 4, 1).unwrap();
+        assert_eq!(g.slice(3, 0).dst_head, 1);
+        assert_eq!(g.slice(1, 0).dst_head, 0);
+        assert!(TpGeometry::new(8, 3, 2).is_err());
+    }
+
+    #[test]
+    fn layout_offsets() {
+        let g = TpGeometry::new(8, 2, 1).unwrap();
+        let l = StagedLayout::for_decode(&g, 0, 3, 256, 16);
+        assert_eq!(l.writer_bytes(0, 2), 2 * 16 * 4 * 256 * 6);
+        assert_eq!(l.writer_offset(1, 2), l.writer_bytes(0, 2));
+        assert_eq!(l.chunk_bytes(2), 2 * l.writer_bytes(0, 2));
+    }
+}
