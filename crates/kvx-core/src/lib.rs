@@ -19,8 +19,35 @@
 //! assert_eq!(KVPoll::Success.update(KVPoll::Bootstrapping), KVPoll::Success);
 //! assert_eq!(KVPoll::Failed.update(KVPoll::Success), KVPoll::Failed);
 //! ```
+//!
+//! Planning the spec's worked example (TP1, 2 layers, 2048 bytes per page): source pages
+//! `[10, 11, 12, 40]` into destination pages `[5, 6, 7, 9]` merge into two runs, so 8 writes
+//! (K0, K1, V0, V1 × 2 runs) instead of 16, cut into bounded batches:
+//!
+//! ```
+//! use kvx_core::planner::plan_kv_equal;
+//! use kvx_core::{BatchLimits, KvLayout, TransferOp};
+//!
+//! let (kp, kd) = (0x7f00_0000_0000u64, 0x7e00_0000_0000u64);
+//! let src = KvLayout::mha_contiguous(kp, 2, 2048, 64, 1);
+//! let dst = KvLayout::mha_contiguous(kd, 2, 2048, 64, 1);
+//! let plan = plan_kv_equal(&src, &dst, &[10, 11, 12, 40], &[5, 6, 7, 9]).unwrap();
+//! assert_eq!(plan.num_ops(), 8);
+//! assert_eq!(plan.ops().next(), Some(TransferOp::new(kp + 20480, kd + 10240, 6144)));
+//! // A page outside the registered buffer is a typed error, never an op.
+//! assert!(plan_kv_equal(&src, &dst, &[64], &[0]).is_err());
+//!
+//! let mut whole = kvx_core::Plan::new();
+//! whole.push(kvx_core::PlanPart::Paged(plan));
+//! let batches: Vec<Vec<TransferOp>> = whole.batches(BatchLimits::new(3, 1 << 20).unwrap()).collect();
+//! assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 2]);
+//! ```
+//!
+//! The room managers ([`PrefillManager`], [`DecodeManager`]) are driven with
+//! `handle(now, event, &mut actions)`; see their module docs.
 
 pub mod chunk;
+pub mod decode;
 pub mod layout;
 pub mod op;
 pub mod peer;
@@ -30,6 +57,7 @@ pub mod prefill;
 pub mod room;
 
 pub use chunk::{Chunk, PageSlice};
+pub use decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeManager};
 pub use layout::{
     AttentionKind, AuxLayout, Buffer, KvLayout, LayoutError, StateComponent, StateKind,
     fill_room_row,

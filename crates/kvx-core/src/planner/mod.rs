@@ -8,7 +8,7 @@
 //! hand to a transport (which still checks registered regions before forming a pointer).
 //!
 //! Submodules: [`runs`] (contiguous-run merge), [`pairing`] (layer pairing, PP slicing),
-//! [`paged`] (equal-TP / MLA plan), [`slice`] (heterogeneous-TP head slices), [`aux`] (aux rows and
+//! [`paged`] (equal-TP / MLA plan), [`slice`](mod@slice) (heterogeneous-TP head slices), [`aux`] (aux rows and
 //! state components), [`batch`] (coalescing, bounded batches, op validation).
 
 pub mod aux;

@@ -1,0 +1,580 @@
+//! The decode room manager: a sans-IO state machine for the receiving side of a room.
+//!
+//! A room goes Bootstrapping (receiver created) → WaitingForInput (registration sent, prefill
+//! ranks known) → Success once `required_prefill_response_num` *distinct* prefill ranks reported
+//! status 4 (repeats are not double counted). It fails on a status 0, on heartbeat loss for its
+//! bootstrap address, on a local abort, or when it waits longer than the waiting timeout after its
+//! metadata went out — the last two emit an `ABORT` to every prefill rank of the room. Status
+//! messages for rooms it does not hold are dropped. Terminal rooms are released at once; the
+//! [`DecodeAction::Concluded`] action carries the outcome to the driver.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::peer::Endpoint;
+use crate::{KVPoll, Room};
+
+/// sglang's default waiting timeout (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`).
+pub const DEFAULT_WAITING_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Configuration of the decode manager.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeConfig {
+    /// A room WaitingForInput this long after its metadata went out fails and is aborted.
+    pub waiting_timeout: Duration,
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        DecodeConfig {
+            waiting_timeout: DEFAULT_WAITING_TIMEOUT,
+        }
+    }
+}
+
+/// Something that happened on the decode side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeEvent {
+    /// A receiver was created for a room whose prefill bootstrap server is `bootstrap_addr`.
+    Created {
+        /// The room.
+        room: Room,
+        /// `host:port` of the prefill's bootstrap server (heartbeat key).
+        bootstrap_addr: String,
+    },
+    /// The receiver resolved its prefill ranks and sent its registration (→ WaitingForInput).
+    Init {
+        /// The room.
+        room: Room,
+        /// Distinct prefill ranks that must report Success.
+        required_prefill_response_num: u32,
+        /// Inboxes of the room's prefill ranks (ABORT targets).
+        prefill_endpoints: Vec<Endpoint>,
+    },
+    /// The per-room metadata went out (the waiting timeout starts now).
+    MetadataSent {
+        /// The room.
+        room: Room,
+    },
+    /// A status message from a prefill rank.
+    Status {
+        /// The room.
+        room: Room,
+        /// The reported status (only Success and Failed are acted upon).
+        status: KVPoll,
+        /// The sender's `prefill_unique_rank`.
+        prefill_rank: u32,
+        /// Failure reason, when the peer sent one.
+        reason: Option<String>,
+    },
+    /// Heartbeats to a prefill bootstrap server failed too often.
+    HeartbeatLost {
+        /// `host:port` of the bootstrap server.
+        bootstrap_addr: String,
+    },
+    /// The local scheduler aborted the request.
+    LocalAbort {
+        /// The room.
+        room: Room,
+    },
+    /// Time passed (waiting timeouts).
+    Tick,
+}
+
+/// Why a decode room failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeFailure {
+    /// A prefill rank reported status 0.
+    #[error("{}", .reason.as_deref().unwrap_or("Failed to get kvcache from prefill instance, it might be dead"))]
+    PrefillFailed {
+        /// The reporting rank.
+        prefill_rank: u32,
+        /// Its reason, if sent.
+        reason: Option<String>,
+    },
+    /// Heartbeat loss for the room's bootstrap server.
+    #[error("Lost connection with prefill instance (bootstrap_addr: {bootstrap_addr})")]
+    LostConnection {
+        /// The bootstrap server.
+        bootstrap_addr: String,
+    },
+    /// Waited too long for the prefill.
+    #[error("Request timed out after {:.1}s in KVPoll.WaitingForInput", .elapsed.as_secs_f64())]
+    WaitingTimeout {
+        /// Time since the metadata went out.
+        elapsed: Duration,
+    },
+    /// Aborted by the local scheduler.
+    #[error("Aborted by the decode scheduler")]
+    Aborted,
+}
+
+/// Something the decode driver must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeAction {
+    /// Send `[ABORT, room, decode_ip, decode_port]` to a prefill rank.
+    SendAbort {
+        /// The room.
+        room: Room,
+        /// The prefill rank's inbox.
+        endpoint: Endpoint,
+    },
+    /// The room is terminal and released.
+    Concluded {
+        /// The room.
+        room: Room,
+        /// Success or Failed.
+        status: KVPoll,
+        /// Why it failed.
+        reason: Option<DecodeFailure>,
+    },
+}
+
+/// An event dropped without any state change.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The room is not held (never created, or already concluded).
+    #[error("unknown room {0}")]
+    UnknownRoom(Room),
+    /// A second receiver for a held room.
+    #[error("room {0} already exists")]
+    DuplicateRoom(Room),
+}
+
+#[derive(Debug)]
+struct DecodeRoom {
+    status: KVPoll,
+    bootstrap_addr: String,
+    required: u32,
+    responded: Vec<u32>,
+    endpoints: Vec<Endpoint>,
+    waiting_since: Option<Instant>,
+}
+
+/// The decode side's room manager.
+#[derive(Debug, Default)]
+pub struct DecodeManager {
+    cfg: DecodeConfig,
+    rooms: HashMap<Room, DecodeRoom>,
+    by_addr: HashMap<String, HashSet<Room>>,
+}
+
+impl DecodeManager {
+    /// A manager with `cfg`.
+    pub fn new(cfg: DecodeConfig) -> Self {
+        DecodeManager {
+            cfg,
+            rooms: HashMap::new(),
+            by_addr: HashMap::new(),
+        }
+    }
+
+    /// The room's status while held.
+    pub fn poll(&self, room: Room) -> Option<KVPoll> {
+        self.rooms.get(&room).map(|r| r.status)
+    }
+
+    /// Live per-room entries: rooms held plus entries of the bootstrap-address index.
+    pub fn live_entries(&self) -> usize {
+        self.rooms.len() + self.by_addr.values().map(HashSet::len).sum::<usize>()
+    }
+
+    /// Feeds one event; appends actions to `out`. `Err` means dropped without a state change.
+    pub fn handle(
+        &mut self,
+        now: Instant,
+        event: DecodeEvent,
+        out: &mut Vec<DecodeAction>,
+    ) -> Result<(), DecodeError> {
+        match event {
+            DecodeEvent::Created {
+                room,
+                bootstrap_addr,
+            } => {
+                if self.rooms.contains_key(&room) {
+                    return Err(DecodeError::DuplicateRoom(room));
+                }
+                self.by_addr
+                    .entry(bootstrap_addr.clone())
+                    .or_default()
+                    .insert(room);
+                self.rooms.insert(
+                    room,
+                    DecodeRoom {
+                        status: KVPoll::Bootstrapping,
+                        bootstrap_addr,
+                        required: 0,
+                        responded: Vec::new(),
+                        endpoints: Vec::new(),
+                        waiting_since: None,
+                    },
+                );
+            }
+            DecodeEvent::Init {
+                room,
+                required_prefill_response_num,
+                prefill_endpoints,
+            } => {
+                let r = self.get(room)?;
+                r.required = required_prefill_response_num.max(1);
+                r.endpoints = prefill_endpoints;
+                r.status = r.status.update(KVPoll::WaitingForInput);
+                self.maybe_succeed(room, out);
+            }
+            DecodeEvent::MetadataSent { room } => {
+                self.get(room)?.waiting_since = Some(now);
+            }
+            DecodeEvent::Status {
+                room,
+                status,
+                prefill_rank,
+                reason,
+            } => {
+                let r = self.get(room)?;
+                match status {
+                    KVPoll::Success => {
+                        if !r.responded.contains(&prefill_rank) {
+                            r.responded.push(prefill_rank);
+                        }
+                        self.maybe_succeed(room, out);
+                    }
+                    KVPoll::Failed => {
+                        let why = DecodeFailure::PrefillFailed {
+                            prefill_rank,
+                            reason,
+                        };
+                        self.fail(room, why, false, out);
+                    }
+                    _ => {}
+                }
+            }
+            DecodeEvent::HeartbeatLost { bootstrap_addr } => {
+                let rooms: Vec<Room> = self
+                    .by_addr
+                    .get(&bootstrap_addr)
+                    .map(|s| s.iter().copied().collect())
+                    .unwrap_or_default();
+                for room in rooms {
+                    let why = DecodeFailure::LostConnection {
+                        bootstrap_addr: bootstrap_addr.clone(),
+                    };
+                    self.fail(room, why, false, out);
+                }
+            }
+            DecodeEvent::LocalAbort { room } => {
+                self.get(room)?;
+                self.fail(room, DecodeFailure::Aborted, true, out);
+            }
+            DecodeEvent::Tick => {
+                let timeout = self.cfg.waiting_timeout;
+                let late: Vec<(Room, Duration)> = self
+                    .rooms
+                    .iter()
+                    .filter(|(_, r)| r.status == KVPoll::WaitingForInput)
+                    .filter_map(|(&room, r)| {
+                        let elapsed = now.saturating_duration_since(r.waiting_since?);
+                        (elapsed >= timeout).then_some((room, elapsed))
+                    })
+                    .collect();
+                for (room, elapsed) in late {
+                    self.fail(room, DecodeFailure::WaitingTimeout { elapsed }, true, out);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn get(&mut self, room: Room) -> Result<&mut DecodeRoom, DecodeError> {
+        self.rooms
+            .get_mut(&room)
+            .ok_or(DecodeError::UnknownRoom(room))
+    }
+
+    fn maybe_succeed(&mut self, room: Room, out: &mut Vec<DecodeAction>) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.status == KVPoll::WaitingForInput
+            && r.required > 0
+            && r.responded.len() >= r.required as usize
+        {
+            r.status = KVPoll::Success;
+            self.conclude(room, None, out);
+        }
+    }
+
+    fn fail(&mut self, room: Room, why: DecodeFailure, abort: bool, out: &mut Vec<DecodeAction>) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.status.is_terminal() {
+            return;
+        }
+        r.status = KVPoll::Failed;
+        if abort {
+            for endpoint in &r.endpoints {
+                out.push(DecodeAction::SendAbort {
+                    room,
+                    endpoint: endpoint.clone(),
+                });
+            }
+        }
+        self.conclude(room, Some(why), out);
+    }
+
+    /// Emits the conclusion and drops every entry of the room.
+    fn conclude(&mut self, room: Room, reason: Option<DecodeFailure>, out: &mut Vec<DecodeAction>) {
+        let Some(r) = self.rooms.remove(&room) else {
+            return;
+        };
+        if let Some(set) = self.by_addr.get_mut(&r.bootstrap_addr) {
+            set.remove(&room);
+            if set.is_empty() {
+                self.by_addr.remove(&r.bootstrap_addr);
+            }
+        }
+        out.push(DecodeAction::Concluded {
+            room,
+            status: r.status,
+            reason,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn room(n: u64) -> Room {
+        Room::new(n).unwrap()
+    }
+
+    fn ep(n: u16) -> Endpoint {
+        Endpoint::new("10.0.0.1", 40000 + n)
+    }
+
+    fn setup(m: &mut DecodeManager, now: Instant, r: Room, required: u32) {
+        let mut out = Vec::new();
+        m.handle(
+            now,
+            DecodeEvent::Created {
+                room: r,
+                bootstrap_addr: "10.0.0.1:8998".into(),
+            },
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(m.poll(r), Some(KVPoll::Bootstrapping));
+        m.handle(
+            now,
+            DecodeEvent::Init {
+                room: r,
+                required_prefill_response_num: required,
+                prefill_endpoints: vec![ep(1), ep(2)],
+            },
+            &mut out,
+        )
+        .unwrap();
+        m.handle(now, DecodeEvent::MetadataSent { room: r }, &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        assert_eq!(m.poll(r), Some(KVPoll::WaitingForInput));
+    }
+
+    fn status(r: Room, status: KVPoll, rank: u32) -> DecodeEvent {
+        DecodeEvent::Status {
+            room: r,
+            status,
+            prefill_rank: rank,
+            reason: None,
+        }
+    }
+
+    #[test]
+    fn success_needs_distinct_ranks() {
+        let now = Instant::now();
+        let mut m = DecodeManager::default();
+        let r = room(7);
+        setup(&mut m, now, r, 2);
+        let mut out = Vec::new();
+        m.handle(now, status(r, KVPoll::Success, 0), &mut out)
+            .unwrap();
+        m.handle(now, status(r, KVPoll::Success, 0), &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        assert_eq!(m.poll(r), Some(KVPoll::WaitingForInput));
+        m.handle(now, status(r, KVPoll::Success, 1), &mut out)
+            .unwrap();
+        assert_eq!(
+            out,
+            vec![DecodeAction::Concluded {
+                room: r,
+                status: KVPoll::Success,
+                reason: None
+            }]
+        );
+        assert_eq!(m.live_entries(), 0);
+        // Late messages for the released room are dropped.
+        assert_eq!(
+            m.handle(now, status(r, KVPoll::Failed, 1), &mut out),
+            Err(DecodeError::UnknownRoom(r))
+        );
+    }
+
+    #[test]
+    fn failures_and_timeouts() {
+        let t0 = Instant::now();
+        let mut m = DecodeManager::default();
+        let (a, b, c) = (room(1), room(2), room(3));
+        for r in [a, b, c] {
+            setup(&mut m, t0, r, 1);
+        }
+        let mut out = Vec::new();
+        m.handle(
+            t0,
+            DecodeEvent::Status {
+                room: a,
+                status: KVPoll::Failed,
+                prefill_rank: 0,
+                reason: Some("Failed to send kv chunk".into()),
+            },
+            &mut out,
+        )
+        .unwrap();
+        let [
+            DecodeAction::Concluded {
+                reason: Some(why), ..
+            },
+        ] = out.as_slice()
+        else {
+            panic!("expected a conclusion: {out:?}");
+        };
+        assert_eq!(why.to_string(), "Failed to send kv chunk");
+        out.clear();
+
+        m.handle(t0 + Duration::from_secs(299), DecodeEvent::Tick, &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        m.handle(t0 + Duration::from_secs(300), DecodeEvent::Tick, &mut out)
+            .unwrap();
+        // Two rooms time out: each sends ABORT to both prefill ranks and concludes.
+        let aborts = out
+            .iter()
+            .filter(|x| matches!(x, DecodeAction::SendAbort { .. }))
+            .count();
+        assert_eq!(aborts, 4);
+        assert_eq!(m.live_entries(), 0);
+    }
+
+    #[test]
+    fn heartbeat_loss_fails_rooms_of_that_address() {
+        let now = Instant::now();
+        let mut m = DecodeManager::default();
+        setup(&mut m, now, room(1), 1);
+        let mut out = Vec::new();
+        m.handle(
+            now,
+            DecodeEvent::Created {
+                room: room(2),
+                bootstrap_addr: "10.0.0.9:8998".into(),
+            },
+            &mut out,
+        )
+        .unwrap();
+        m.handle(
+            now,
+            DecodeEvent::HeartbeatLost {
+                bootstrap_addr: "10.0.0.1:8998".into(),
+            },
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            out[0],
+            DecodeAction::Concluded {
+                room: room(1),
+                status: KVPoll::Failed,
+                reason: Some(DecodeFailure::LostConnection {
+                    bootstrap_addr: "10.0.0.1:8998".into()
+                })
+            }
+        );
+        assert_eq!(m.poll(room(2)), Some(KVPoll::Bootstrapping));
+    }
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        Create(u64, u8),
+        Init(u64, u32),
+        Sent(u64),
+        Status(u64, bool, u32),
+        Lost(u8),
+        Abort(u64),
+        Advance(u64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (1u64..5, 0u8..2).prop_map(|(r, a)| Step::Create(r, a)),
+            (1u64..5, 0u32..3).prop_map(|(r, n)| Step::Init(r, n)),
+            (1u64..5).prop_map(Step::Sent),
+            (1u64..5, prop::bool::weighted(0.8), 0u32..3)
+                .prop_map(|(r, ok, k)| Step::Status(r, ok, k)),
+            (0u8..2).prop_map(Step::Lost),
+            (1u64..5).prop_map(Step::Abort),
+            (0u64..400).prop_map(Step::Advance),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn random_sequences_are_monotone_and_release(steps in proptest::collection::vec(step(), 1..60)) {
+            let mut now = Instant::now();
+            let mut m = DecodeManager::default();
+            let mut held: HashMap<Room, KVPoll> = HashMap::new();
+            let mut out = Vec::new();
+            for s in &steps {
+                out.clear();
+                let e = match *s {
+                    Step::Create(r, a) => DecodeEvent::Created { room: room(r), bootstrap_addr: format!("h{a}:1") },
+                    Step::Init(r, n) => DecodeEvent::Init { room: room(r), required_prefill_response_num: n, prefill_endpoints: vec![ep(1)] },
+                    Step::Sent(r) => DecodeEvent::MetadataSent { room: room(r) },
+                    Step::Status(r, ok, k) => status(room(r), if ok { KVPoll::Success } else { KVPoll::Failed }, k),
+                    Step::Lost(a) => DecodeEvent::HeartbeatLost { bootstrap_addr: format!("h{a}:1") },
+                    Step::Abort(r) => DecodeEvent::LocalAbort { room: room(r) },
+                    Step::Advance(secs) => {
+                        now += Duration::from_secs(secs);
+                        DecodeEvent::Tick
+                    }
+                };
+                let _ = m.handle(now, e, &mut out);
+                for a in &out {
+                    if let DecodeAction::Concluded { room, status, .. } = a {
+                        prop_assert!(status.is_terminal());
+                        prop_assert_eq!(m.poll(*room), None);
+                    }
+                }
+                for r in (1..5).map(room) {
+                    match (m.poll(r), held.get(&r).copied()) {
+                        (None, _) => { held.remove(&r); }
+                        (Some(p), old) => {
+                            prop_assert!(!p.is_terminal(), "terminal rooms are released");
+                            if let Some(old) = old {
+                                prop_assert_eq!(old.update(p), p);
+                            }
+                            held.insert(r, p);
+                        }
+                    }
+                }
+                let indexed: usize = m.by_addr.values().map(HashSet::len).sum();
+                prop_assert_eq!(indexed, m.rooms.len());
+            }
+            for r in 1..5 {
+                let _ = m.handle(now, DecodeEvent::LocalAbort { room: room(r) }, &mut out);
+            }
+            prop_assert_eq!(m.live_entries(), 0);
+        }
+    }
+}
