@@ -13,6 +13,9 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+#[allow(dead_code)] // Scenario drivers that use every piece land with the kvx binary.
+mod integration;
+mod report;
 mod setup;
 
 #[derive(Parser)]
@@ -43,6 +46,8 @@ enum Cmd {
         /// Which benchmark group; all when absent.
         what: Option<String>,
     },
+    /// Multi-process and multi-host fault scenarios with real `kvx` processes.
+    Integration(integration::Opts),
 }
 
 fn main() -> Result<()> {
@@ -58,7 +63,12 @@ fn main() -> Result<()> {
         }
         Cmd::Setup => setup::ensure_all(&root),
         Cmd::Fuzz { seconds } => fuzz(&root, seconds),
-        Cmd::Bench { what } => bench(what.as_deref()),
+        Cmd::Bench { what } => {
+            let r = bench(what.as_deref());
+            bench_report(&root);
+            r
+        }
+        Cmd::Integration(opts) => integration::run(&root, &opts),
     }
 }
 
@@ -162,6 +172,16 @@ fn fuzz(root: &Path, seconds: u64) -> Result<()> {
             ]))?;
     }
     Ok(())
+}
+
+/// Writes the benchmark section of `target/kvx-report/report.md` from criterion's results.
+fn bench_report(root: &Path) {
+    let dir = report::report_dir(root);
+    match report::bench::part_from_target(&dir).and_then(|p| report::write_part(root, "bench", &p))
+    {
+        Ok(path) => eprintln!("xtask: report in {}", path.display()),
+        Err(e) => eprintln!("xtask: writing the bench report: {e:#}"),
+    }
 }
 
 fn bench(what: Option<&str>) -> Result<()> {

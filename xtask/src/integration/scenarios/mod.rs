@@ -1,0 +1,98 @@
+//! The named scenarios and their budgets. Each scenario first checks that the binary offers what
+//! it needs (subcommands, flags) and says SKIP with the missing pieces otherwise.
+
+use anyhow::Result;
+
+use super::{Ctx, Scenario, Verdict};
+
+/// Every scenario, in run order (cheap and basic first, the soak last).
+pub fn all() -> Vec<Scenario> {
+    vec![
+        Scenario {
+            name: "happy-tp1",
+            about: "several rooms prefill TP1 -> decode TP1, bytes verified",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "hetero-tp",
+            about: "prefill TP2 -> decode TP1 and TP1 -> TP2, with and without staging",
+            budget_s: (120, 600),
+            run: pending,
+        },
+        Scenario {
+            name: "mla-dummy",
+            about: "MLA layout where some prefill ranks are dummies",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "kill-decode",
+            about: "kill -9 a decode mid-transfer: its rooms Failed on the prefill, a second decode unaffected",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "kill-prefill",
+            about: "kill -9 a prefill: decode fails its rooms; the prefill restarts and new rooms succeed",
+            budget_s: (90, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "lossy-link",
+            about: "5 ms delay, 1 % drop and a bandwidth cap: every room terminal, bytes verified",
+            budget_s: (120, 600),
+            run: pending,
+        },
+        Scenario {
+            name: "partition",
+            about: "link cut mid-transfer then restored: in-flight rooms fail in bounds, later rooms succeed",
+            budget_s: (120, 600),
+            run: pending,
+        },
+        Scenario {
+            name: "malformed-flood",
+            about: "garbage and truncated frames at every inbox and port while real rooms run",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "abort-drain",
+            about: "ABORT mid-transfer: ACK after drain, no write lands after the ACK",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "fatal-worker",
+            about: "fatal worker fault via failpoint: exact message, rooms Failed, documented exit code",
+            budget_s: (60, 300),
+            run: pending,
+        },
+        Scenario {
+            name: "soak",
+            about: "many rooms with 1 % injected failures: all terminal, verified, nothing left behind",
+            budget_s: (180, 3600),
+            run: pending,
+        },
+    ]
+}
+
+/// SKIP with what is missing from the binary, FAIL when there is no binary at all, `None` when
+/// every need is met.
+pub fn need(ctx: &Ctx, needs: &[&str]) -> Option<Verdict> {
+    match ctx.kvx() {
+        Err(e) => Some(Verdict::Fail(format!("no kvx binary: {e}"))),
+        Ok(k) => k.supports(needs).err().map(Verdict::Skip),
+    }
+}
+
+/// A scenario whose driver is not written yet: says what it waits for.
+fn pending(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = need(
+        ctx,
+        &["bootstrap", "prefill", "decode", "decode --summary-json"],
+    ) {
+        return Ok(v);
+    }
+    Ok(Verdict::Skip("driver not written yet".into()))
+}
