@@ -34,13 +34,21 @@
 //!
 //! Without `KVX_RDMA_DEVICE` each hardware test prints why it skipped and passes.
 
+pub mod cq;
+pub mod device;
+pub mod engine;
 pub mod error;
 pub mod handshake;
 pub mod plan;
+pub mod post;
+pub mod qp;
 pub mod regions;
 pub mod sched;
 pub mod sendq;
+pub mod session;
 
+pub use device::{DeviceConfig, VerbsDevice, discover};
+pub use engine::{VerbsConfig, VerbsTransport};
 pub use error::VerbsError;
 pub use handshake::{QpInfo, VerbsHandshake};
 pub use plan::{Limits, WritePlan, plan_writes};

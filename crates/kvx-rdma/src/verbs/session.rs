@@ -1,0 +1,360 @@
+//! One peer's sending session: a tokio task that owns the queue pairs, the completion queue and
+//! the scheduler, and the [`Session`] handle that feeds it.
+//!
+//! [`VerbsSession::write_batch`] plans the batch on the caller's task (every range checked
+//! against the local lkey table and the peer's advertised regions, so a bad batch fails before
+//! anything is posted) and hands the plan to the session task. The task is a thin driver: it
+//! moves submissions into [`PeerScheduler`], posts what the scheduler hands out (one doorbell
+//! per post), feeds completions from the [`EventCq`] back, and answers each batch once. It also
+//! watches the handshake's TCP connection: when the peer process dies the connection closes and
+//! every open batch fails at once instead of waiting for the queue pairs' retry timeout.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kvx_core::TransferOp;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+use super::cq::{EventCq, Wc};
+use super::device::VerbsDevice;
+use super::error::VerbsError;
+use super::plan::{Limits, WritePlan, plan_writes};
+use super::post::{decode_wr_id, post_chain};
+use super::qp::RcQueuePair;
+use super::regions::RegionTable;
+use super::sched::{BatchResult, PeerScheduler, SchedConfig};
+use super::sendq::BatchId;
+use crate::error::{RejectReason, TransportError};
+use crate::segment::SegmentDescriptor;
+use crate::transport::{BatchReport, BoxFuture, Session};
+
+/// `IBV_WC_REM_ACCESS_ERR`: the responder refused the rkey or the range.
+const WC_REM_ACCESS_ERR: u32 = 10;
+/// `IBV_WC_RETRY_EXC_ERR`: the peer stopped acknowledging.
+const WC_RETRY_EXC_ERR: u32 = 12;
+/// `IBV_WC_RNR_RETRY_EXC_ERR`.
+const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+
+/// Maps a verbs error to the data plane's error type, naming `peer` where it matters.
+pub fn to_transport_error(e: VerbsError, peer: &str) -> TransportError {
+    match e {
+        VerbsError::NoDevice { reason } => TransportError::NoDevice(reason),
+        e @ VerbsError::DeviceNotFound { .. } => TransportError::NoDevice(e.to_string()),
+        VerbsError::LocalNotRegistered { addr, len } => {
+            TransportError::LocalNotRegistered { addr, len }
+        }
+        VerbsError::RemoteNotRegistered { addr, len } => {
+            TransportError::RemoteNotRegistered { addr, len }
+        }
+        VerbsError::BadRegions(detail) => TransportError::Registration {
+            addr: 0,
+            len: 0,
+            detail: detail.into(),
+        },
+        VerbsError::Handshake(detail) => TransportError::Handshake {
+            peer: peer.into(),
+            detail,
+        },
+        VerbsError::Completion {
+            status: WC_REM_ACCESS_ERR,
+            ..
+        } => TransportError::RemoteRejected {
+            reason: RejectReason::OutOfBounds,
+            addr: 0,
+            len: 0,
+        },
+        e @ VerbsError::Completion {
+            status: WC_RETRY_EXC_ERR | WC_RNR_RETRY_EXC_ERR,
+            ..
+        } => TransportError::PeerLost {
+            peer: peer.into(),
+            detail: e.to_string(),
+        },
+        VerbsError::PeerLost(detail) => TransportError::PeerLost {
+            peer: peer.into(),
+            detail,
+        },
+        VerbsError::Closed => TransportError::Closed,
+        e @ (VerbsError::Verbs { .. } | VerbsError::Completion { .. }) => TransportError::Io {
+            kind: std::io::ErrorKind::Other,
+            detail: e.to_string(),
+        },
+    }
+}
+
+type Reply = oneshot::Sender<Result<BatchReport, TransportError>>;
+
+enum Cmd {
+    Submit {
+        plan: WritePlan,
+        ops: u64,
+        reply: Reply,
+    },
+}
+
+/// What a session task needs to run.
+pub(crate) struct SessionParts {
+    pub peer: String,
+    pub dev: Arc<VerbsDevice>,
+    pub qps: Vec<RcQueuePair>,
+    pub cq: EventCq,
+    pub ctrl: TcpStream,
+    pub remote: RegionTable,
+    pub remote_desc: SegmentDescriptor,
+    pub limits: Limits,
+    pub sched: SchedConfig,
+}
+
+/// The [`Session`] handle of one peer.
+pub struct VerbsSession {
+    peer: String,
+    dev: Arc<VerbsDevice>,
+    remote: RegionTable,
+    remote_desc: SegmentDescriptor,
+    limits: Limits,
+    alive: Arc<AtomicBool>,
+    tx: mpsc::UnboundedSender<Cmd>,
+}
+
+impl std::fmt::Debug for VerbsSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsSession")
+            .field("peer", &self.peer)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerbsSession {
+    /// Starts the session task (inside a tokio runtime) and returns its handle.
+    pub(crate) fn start(parts: SessionParts) -> Arc<Self> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let alive = Arc::new(AtomicBool::new(true));
+        let qpns = parts.qps.iter().map(|q| q.info().qpn).collect();
+        let task = SessionTask {
+            peer: parts.peer.clone(),
+            qps: parts.qps,
+            cq: parts.cq,
+            ctrl: parts.ctrl,
+            sched: PeerScheduler::new(parts.sched, qpns),
+            batches: HashMap::new(),
+            next_id: 1,
+            alive: alive.clone(),
+        };
+        tokio::spawn(task.run(rx));
+        Arc::new(VerbsSession {
+            peer: parts.peer,
+            dev: parts.dev,
+            remote: parts.remote,
+            remote_desc: parts.remote_desc,
+            limits: parts.limits,
+            alive,
+            tx,
+        })
+    }
+
+    /// The planner limits this session uses.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+}
+
+impl Session for VerbsSession {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn remote(&self) -> &SegmentDescriptor {
+        &self.remote_desc
+    }
+
+    fn write_batch(
+        &self,
+        ops: Vec<TransferOp>,
+    ) -> BoxFuture<'static, Result<BatchReport, TransportError>> {
+        let peer = self.peer.clone();
+        let planned = plan_writes(&ops, &self.dev.local_regions(), &self.remote, self.limits);
+        let n_ops = ops.len() as u64;
+        let sent = planned.map(|plan| {
+            let (reply, rx) = oneshot::channel();
+            let cmd = Cmd::Submit {
+                plan,
+                ops: n_ops,
+                reply,
+            };
+            (self.tx.send(cmd).is_ok(), rx)
+        });
+        Box::pin(async move {
+            match sent {
+                Err(e) => {
+                    metrics::counter!("kvx_verbs_batch_errors_total", "kind" => e.label())
+                        .increment(1);
+                    tracing::debug!(%peer, error = %e, "verbs batch refused before posting");
+                    Err(to_transport_error(e, &peer))
+                }
+                Ok((false, _)) => Err(TransportError::Closed),
+                Ok((true, rx)) => rx.await.unwrap_or(Err(TransportError::Closed)),
+            }
+        })
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire) && !self.tx.is_closed()
+    }
+}
+
+struct OpenBatch {
+    plan: WritePlan,
+    ops: u64,
+    reply: Reply,
+}
+
+struct SessionTask {
+    peer: String,
+    qps: Vec<RcQueuePair>,
+    cq: EventCq,
+    ctrl: TcpStream,
+    sched: PeerScheduler,
+    batches: HashMap<BatchId, OpenBatch>,
+    next_id: BatchId,
+    alive: Arc<AtomicBool>,
+}
+
+impl SessionTask {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+        let mut wcs: Vec<Wc> = Vec::new();
+        let mut ctrl_buf = [0u8; 64];
+        let reason = loop {
+            tokio::select! {
+                cmd = rx.recv() => match cmd {
+                    None => break VerbsError::Closed,
+                    Some(Cmd::Submit { plan, ops, reply }) => self.submit(plan, ops, reply),
+                },
+                r = self.cq.next_batch(&mut wcs) => {
+                    if let Err(e) = r {
+                        tracing::error!(peer = %self.peer, error = %e, "verbs completion queue failed");
+                        break e;
+                    }
+                    for wc in wcs.drain(..) {
+                        let (slot, seq) = decode_wr_id(wc.wr_id);
+                        if wc.status != 0 {
+                            tracing::warn!(peer = %self.peer, slot, status = wc.status,
+                                vendor_err = wc.vendor_err, "verbs work completion error");
+                        }
+                        let done = self.sched.on_completion(slot as usize, seq, wc.status, wc.vendor_err);
+                        self.deliver(done);
+                    }
+                },
+                n = self.ctrl.read(&mut ctrl_buf) => {
+                    if matches!(n, Ok(0) | Err(_)) {
+                        tracing::warn!(peer = %self.peer, "verbs peer closed its control connection");
+                        break VerbsError::PeerLost("control connection closed".into());
+                    }
+                },
+            }
+            self.post_ready();
+        };
+        self.alive.store(false, Ordering::Release);
+        let done = self.sched.close(reason);
+        self.deliver(done);
+        rx.close();
+        while let Some(Cmd::Submit { reply, .. }) = rx.recv().await {
+            let _ = reply.send(Err(TransportError::Closed));
+        }
+    }
+
+    fn submit(&mut self, plan: WritePlan, ops: u64, reply: Reply) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let n = plan.wrs.len() as u32;
+        self.batches.insert(id, OpenBatch { plan, ops, reply });
+        if let Some(done) = self.sched.submit(id, n) {
+            self.deliver(vec![done]);
+        }
+    }
+
+    fn post_ready(&mut self) {
+        for post in self.sched.schedule() {
+            if self.sched.send_queue(post.qp).is_none_or(|q| q.is_broken()) {
+                continue; // an earlier post on it failed; its work was re-queued
+            }
+            let batches = &self.batches;
+            let Some(qp) = self.qps.get_mut(post.qp) else {
+                continue;
+            };
+            let r = post_chain(qp, post.qp as u32, &post, |b| {
+                batches.get(&b).map(|o| &o.plan)
+            });
+            match r {
+                Ok(()) => metrics::counter!("kvx_verbs_posts_total").increment(1),
+                Err(e) => {
+                    tracing::error!(peer = %self.peer, qp = post.qp, error = %e, "verbs post failed");
+                    metrics::counter!("kvx_verbs_post_errors_total").increment(1);
+                    let done = self.sched.post_failed(post.qp);
+                    self.deliver(done);
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, done: Vec<BatchResult>) {
+        for (id, r) in done {
+            let Some(b) = self.batches.remove(&id) else {
+                continue;
+            };
+            let r = match r {
+                Ok(()) => {
+                    metrics::counter!("kvx_verbs_batches_total", "result" => "ok").increment(1);
+                    Ok(BatchReport {
+                        ops: b.ops,
+                        bytes: b.plan.total_bytes(),
+                    })
+                }
+                Err(e) => {
+                    metrics::counter!("kvx_verbs_batches_total", "result" => e.label())
+                        .increment(1);
+                    tracing::warn!(peer = %self.peer, batch = id, error = %e, "verbs batch failed");
+                    Err(to_transport_error(e, &self.peer))
+                }
+            };
+            let _ = b.reply.send(r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_mapping() {
+        let e = to_transport_error(VerbsError::NoDevice { reason: "x".into() }, "p");
+        assert_eq!(e, TransportError::NoDevice("x".into()));
+        let c = |status| VerbsError::Completion {
+            qpn: 1,
+            status,
+            status_name: "",
+            vendor_err: 0,
+        };
+        assert!(matches!(
+            to_transport_error(c(10), "p"),
+            TransportError::RemoteRejected { .. }
+        ));
+        assert!(matches!(
+            to_transport_error(c(12), "p"),
+            TransportError::PeerLost { .. }
+        ));
+        assert!(to_transport_error(c(12), "p").is_peer_failure());
+        assert!(matches!(
+            to_transport_error(c(4), "p"),
+            TransportError::Io { .. }
+        ));
+        assert_eq!(
+            to_transport_error(VerbsError::RemoteNotRegistered { addr: 1, len: 2 }, "p"),
+            TransportError::RemoteNotRegistered { addr: 1, len: 2 }
+        );
+    }
+}
