@@ -91,6 +91,8 @@ async fn routes_answer_like_sglang() {
         let (s, _, body) = call(m, format!("{base}/route"), None).await;
         assert_eq!((s, body.as_str()), (405, "Method not allowed"));
     }
+    let (s, _, _) = call(reqwest::Method::HEAD, format!("{base}/route"), None).await;
+    assert_eq!(s, 405);
 
     let client = BootstrapClient::with_base_url(&base).unwrap();
     let policy = RetryPolicy::immediate(1, Duration::from_secs(5));

@@ -97,4 +97,15 @@ mod tests {
         );
         assert_eq!(object([]), "{}");
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_string_round_trips_and_stays_ascii(s in ".{0,40}", n in proptest::prelude::any::<i64>()) {
+            let out = object([("k", PyValue::Str(&s)), ("n", PyValue::Int(n.into()))]);
+            proptest::prop_assert!(out.is_ascii());
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            proptest::prop_assert_eq!(v["k"].as_str(), Some(s.as_str()));
+            proptest::prop_assert_eq!(v["n"].as_i64(), Some(n));
+        }
+    }
 }

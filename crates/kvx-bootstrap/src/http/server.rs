@@ -72,7 +72,11 @@ pub fn router(state: BootstrapState) -> Router {
     Router::new()
         .route(
             "/route",
-            put(put_route).get(get_route).fallback(method_not_allowed),
+            put(put_route)
+                .get(get_route)
+                // sglang answers every method but GET and PUT with 405, HEAD included.
+                .head(method_not_allowed)
+                .fallback(method_not_allowed),
         )
         .route("/register_dp_rank", post(register_dp_rank))
         .route("/query_dp_ranks", post(query_dp_ranks))

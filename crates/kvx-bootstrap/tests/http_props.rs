@@ -1,0 +1,131 @@
+//! Property tests for the bootstrap server's input handling: arbitrary bodies and query strings
+//! sent over real HTTP never produce a 5xx nor stop the server, and the registry's counting and
+//! first-writer-wins rules hold for any sequence of registrations.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::OnceLock;
+
+use kvx_bootstrap::http::{
+    BootstrapServer, RankRegistration, Registry, RouteAnswer, RouteQuery, ServerConfig,
+};
+use proptest::prelude::*;
+
+struct Fixture {
+    rt: tokio::runtime::Runtime,
+    base: String,
+    http: reqwest::Client,
+    _server: BootstrapServer,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let server = rt
+            .block_on(BootstrapServer::bind(
+                "127.0.0.1:0",
+                ServerConfig::default(),
+            ))
+            .unwrap();
+        Fixture {
+            base: format!("http://{}", server.local_addr()),
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            rt,
+            _server: server,
+        }
+    })
+}
+
+fn status(method: reqwest::Method, path: &str, body: Vec<u8>) -> u16 {
+    let f = fixture();
+    f.rt.block_on(async {
+        f.http
+            .request(method, format!("{}{path}", f.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    })
+}
+
+fn json_ish() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..64),
+        "[{}\\[\\]\":,0-9a-z_ .-]{0,80}".prop_map(String::into_bytes),
+        (any::<i64>(), any::<i64>()).prop_map(|(a, b)| format!(
+            r#"{{"bootstrap_room": {a}, "dp_rank": {b}, "bootstrap_rooms": [{a}, {b}]}}"#
+        )
+        .into_bytes()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bodies_never_5xx(body in json_ish(), which in 0..3usize) {
+        let (method, path) = [
+            (reqwest::Method::PUT, "/route"),
+            (reqwest::Method::POST, "/register_dp_rank"),
+            (reqwest::Method::POST, "/query_dp_ranks"),
+        ][which].clone();
+        let s = status(method, path, body);
+        prop_assert!(s == 200 || s == 400 || s == 413 || s == 415, "status {s}");
+        prop_assert_eq!(status(reqwest::Method::GET, "/health", vec![]), 200);
+    }
+
+    #[test]
+    fn arbitrary_route_queries_never_5xx(q in "[a-z_=&%0-9+-]{0,60}") {
+        let s = status(reqwest::Method::GET, &format!("/route?{q}"), vec![]);
+        prop_assert!(s == 400 || s == 404 || s == 503 || s == 200, "status {s}");
+    }
+
+    #[test]
+    fn registry_counts_and_first_writer_wins(
+        regs in proptest::collection::vec((1u32..4, 0u32..4, 0u64..512, any::<u16>()), 1..12)
+    ) {
+        let mut r = Registry::new();
+        for (i, (tp, rank, page, port)) in regs.iter().enumerate() {
+            r.register_rank(&RankRegistration {
+                attn_tp_size: *tp, attn_tp_rank: *rank, attn_cp_size: 1, attn_cp_rank: 0,
+                attn_dp_size: 1, attn_dp_rank: 0, pp_size: 1, pp_rank: 0,
+                system_dp_size: 1, system_dp_rank: 0,
+                rank_ip: format!("10.0.0.{i}"), rank_port: *port,
+                page_size: Some(*page), kv_cache_dtype: None, load_balance_method: None,
+                enable_dsa_cache_layer_split: None, prefill_http_port: None,
+            });
+        }
+        prop_assert_eq!(r.registered(), regs.len() as u64);
+        let first_tp = regs[0].0;
+        prop_assert_eq!(r.is_ready(), regs.len() as u64 >= u64::from(first_tp));
+        match r.route(RouteQuery::SENTINEL) {
+            RouteAnswer::Topology(t) => {
+                prop_assert!(r.is_ready());
+                prop_assert_eq!(t.attn_tp_size, first_tp);
+                prop_assert_eq!(t.page_size, Some(regs[0].2));
+            }
+            RouteAnswer::NotReady(n) => {
+                prop_assert!(!r.is_ready());
+                prop_assert_eq!(n, regs.len() as u64);
+            }
+            other => prop_assert!(false, "unexpected {other:?}"),
+        }
+        if r.is_ready() {
+            // The last registration of a slot owns the table entry.
+            let (_, rank, _, port) = *regs.last().unwrap();
+            let q = RouteQuery { dp_rank: 0, cp_rank: 0, tp_rank: i64::from(rank), pp_rank: 0 };
+            match r.route(q) {
+                RouteAnswer::Rank(info) => prop_assert_eq!(info.rank_port, port),
+                other => prop_assert!(false, "unexpected {other:?}"),
+            }
+        }
+    }
+}
