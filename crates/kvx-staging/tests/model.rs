@@ -481,7 +481,7 @@ impl Model {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(192))]
     #[test]
     fn staging_protocol_model(
         pt in 1u32..3,
