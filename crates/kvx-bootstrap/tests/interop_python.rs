@@ -124,22 +124,44 @@ async fn python_checks_the_http_server_like_sglang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_decode_against_kvx_prefill() {
-    let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())
+    decode_peer_against_kvx_prefill("127.0.0.1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_decode_against_kvx_prefill_over_ipv6() {
+    decode_peer_against_kvx_prefill("::1").await;
+}
+
+/// kvx plays a prefill rank on `host` (HTTP server, PULL inbox, PUSH replies); the Python peer
+/// plays a decode rank on the same host.
+async fn decode_peer_against_kvx_prefill(host: &str) {
+    let bind = if host.contains(':') {
+        format!("[{host}]:0")
+    } else {
+        format!("{host}:0")
+    };
+    let server = BootstrapServer::bind(bind, ServerConfig::default())
         .await
         .unwrap();
     let ctx = zmq::Context::new();
-    let mut inbox = Inbox::bind(&ctx, InboxConfig::new("127.0.0.1", InboxKind::Prefill)).unwrap();
-    let client = BootstrapClient::new("127.0.0.1", server.local_addr().port()).unwrap();
+    let mut inbox = Inbox::bind(&ctx, InboxConfig::new(host, InboxKind::Prefill)).unwrap();
+    let client = BootstrapClient::new(host, server.local_addr().port()).unwrap();
+    let mut prefill_rank = rank(inbox.endpoint().port);
+    prefill_rank.rank_ip = host.to_string();
     client
-        .register_rank(&rank(inbox.endpoint().port), &RetryPolicy::sglang())
+        .register_rank(&prefill_rank, &RetryPolicy::sglang())
         .await
         .unwrap();
 
-    let mut peer = Peer::spawn("decode", &server.local_addr().to_string(), &[]);
+    let mut peer = Peer::spawn(
+        "decode",
+        &server.local_addr().to_string(),
+        &["--host", host],
+    );
     let route = peer.expect("route");
     assert_eq!(
         route["rank"],
-        json!({"rank_ip": "127.0.0.1", "rank_port": inbox.endpoint().port})
+        json!({"rank_ip": host, "rank_port": inbox.endpoint().port})
     );
     assert_eq!(route["info"]["page_size"], 64);
     let sent: Vec<Vec<String>> = (0..5).map(|_| event_frames(&peer.expect("sent"))).collect();
@@ -151,8 +173,12 @@ async fn python_decode_against_kvx_prefill() {
         panic!("not a registration")
     };
     let decode_ep = reg.endpoint.clone();
-    assert_eq!(decode_ep.host, "127.0.0.1");
-    let session = "127.0.0.1:15234";
+    assert_eq!(decode_ep.host, host);
+    let session = &if host.contains(':') {
+        format!("[{host}]:15234")
+    } else {
+        format!("{host}:15234")
+    };
     let expected = registration(decode_ep.clone(), session);
     assert_eq!(*reg, expected);
     assert_eq!(frames.len(), 18);

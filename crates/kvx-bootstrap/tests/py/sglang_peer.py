@@ -112,6 +112,21 @@ def route_url(base, dp, cp, tp, pp):
             f"&target_tp_rank={tp}&target_pp_rank={pp}")
 
 
+def tcp_addr(host, port):
+    """sglang's format_tcp_address: IPv6 hosts bracketed."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def pull_socket(ctx, host):
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    if ":" in host:
+        pull.setsockopt(zmq.IPV6, 1)
+        return pull, pull.bind_to_random_port(f"tcp://[{host}]")
+    return pull, pull.bind_to_random_port(f"tcp://{host}")
+
+
 def session():
     s = requests.Session()
     s.trust_env = False  # never a proxy
@@ -210,7 +225,7 @@ def metadata_frames(room, ip, port, sess, pages, aux, state, dummy=False):
             *dst, b"1", b"0", b""]
 
 
-def run_decode(base, room, dummy_room):
+def run_decode(base, room, dummy_room, host):
     s = session()
     r = s.get(route_url(base, -1, -1, -1, -1), timeout=5)
     check(r.status_code == 200, f"sentinel: {r.status_code} {r.text!r}")
@@ -224,23 +239,22 @@ def run_decode(base, room, dummy_room):
     emit(event="route", info=dataclasses.asdict(info), rank=rank)
 
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
-    pull.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    my_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    sess = "127.0.0.1:15234"
+    pull, my_port = pull_socket(ctx, host)
+    sess = f"[{host}]:15234" if ":" in host else f"{host}:15234"
 
     push = ctx.socket(zmq.PUSH)  # S3: decode -> prefill
     push.setsockopt(zmq.LINGER, 0)
     push.setsockopt(zmq.SNDTIMEO, 1000)
-    push.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
+    if ":" in rank["rank_ip"]:
+        push.setsockopt(zmq.IPV6, 1)
+    push.connect(tcp_addr(rank["rank_ip"], rank["rank_port"]))
 
     sent = [
         [b"hello kvx"],  # garbage first: the prefill inbox must drop it and live on
-        registration_frames("127.0.0.1", my_port, sess),
-        metadata_frames(room, "127.0.0.1", my_port, sess, [5, 6, 7, 12], 17, [[42]]),
-        metadata_frames(dummy_room, "127.0.0.1", my_port, sess, [], 0, [], dummy=True),
-        [b"ABORT", ascii_int(dummy_room), b"127.0.0.1", ascii_int(my_port)],
+        registration_frames(host, my_port, sess),
+        metadata_frames(room, host, my_port, sess, [5, 6, 7, 12], 17, [[42]]),
+        metadata_frames(dummy_room, host, my_port, sess, [], 0, [], dummy=True),
+        [b"ABORT", ascii_int(dummy_room), host.encode("ascii"), ascii_int(my_port)],
     ]
     for frames in sent:
         push.send_multipart(frames)
@@ -377,12 +391,13 @@ def main():
     ap.add_argument("--bootstrap", required=True, help="host:port of the bootstrap server")
     ap.add_argument("--room", type=int, default=1234567890123456789)
     ap.add_argument("--dummy-room", type=int, default=987654321)
+    ap.add_argument("--host", default="127.0.0.1", help="this peer's IP (IPv6 without brackets)")
     a = ap.parse_args()
-    base = f"http://{a.bootstrap}"
+    base = f"http://{a.bootstrap}"  # host:port, IPv6 hosts already bracketed
     if a.mode == "http":
         run_http(base, a.room)
     elif a.mode == "decode":
-        run_decode(base, a.room, a.dummy_room)
+        run_decode(base, a.room, a.dummy_room, a.host)
     else:
         run_prefill(base, a.room, a.dummy_room)
 
