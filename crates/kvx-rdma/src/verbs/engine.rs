@@ -31,6 +31,9 @@ use crate::error::TransportError;
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
 use crate::transport::{BoxFuture, Session, Transport};
 
+/// Most queue pairs a receiver creates for one peer.
+pub const MAX_INBOUND_QPS: usize = 64;
+
 /// Largest handshake payload accepted (a million regions fit).
 pub const MAX_HANDSHAKE_LEN: u32 = 32 << 20;
 
@@ -300,6 +303,12 @@ async fn serve_peer(
             gid: theirs.gid,
             mtu: theirs.mtu,
         };
+        if theirs.qps.len() > MAX_INBOUND_QPS {
+            return Err(VerbsError::Handshake(format!(
+                "{} queue pairs asked, at most {MAX_INBOUND_QPS} served",
+                theirs.qps.len()
+            )));
+        }
         let mut qps = Vec::with_capacity(theirs.qps.len());
         for info in &theirs.qps {
             let mut qp = RcQueuePair::create(&dev, &cq, cfg.qp)?;

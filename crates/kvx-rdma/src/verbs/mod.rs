@@ -20,6 +20,37 @@
 //! without rdma-core: discovery then reports [`VerbsError::NoDevice`] (ENOSYS when the kernel
 //! has no verbs support, EOPNOTSUPP when libibverbs is missing, ENODEV or an empty list).
 //!
+//! The decisions run anywhere; for instance, planning a fragmented batch and scheduling it over
+//! two queue pairs:
+//!
+//! ```
+//! use kvx_core::TransferOp;
+//! use kvx_rdma::verbs::{Limits, PeerScheduler, Region, RegionTable, SchedConfig, plan_writes};
+//!
+//! let local = RegionTable::from_regions(vec![Region { base: 0x10000, len: 1 << 20, key: 1 }])?;
+//! let remote = RegionTable::from_regions(vec![Region { base: 0x900000, len: 1 << 20, key: 2 }])?;
+//! // eight 4 KiB pages: contiguous destination, every other source page
+//! let ops: Vec<TransferOp> = (0..8)
+//!     .map(|i| TransferOp::new(0x10000 + i * 8192, 0x900000 + i * 4096, 4096))
+//!     .collect();
+//! let limits = Limits { max_sge: 4, max_inline: 0, max_wr_bytes: 1 << 20 };
+//! let plan = plan_writes(&ops, &local, &remote, limits)?;
+//! assert_eq!(plan.wrs.len(), 2); // 4 SGEs per work request
+//! assert_eq!(plan.total_bytes(), 8 * 4096);
+//!
+//! let mut sched = PeerScheduler::new(SchedConfig::default(), vec![0x11, 0x12]);
+//! assert!(sched.submit(1, plan.wrs.len() as u32).is_none());
+//! let posts = sched.schedule();
+//! assert_eq!(posts.len(), 2); // one work request on each queue pair, each signalled
+//! assert!(posts.iter().all(|p| p.items.iter().all(|i| i.signaled)));
+//! let mut done = Vec::new();
+//! for p in &posts {
+//!     done.extend(sched.on_completion(p.qp, p.items[0].wr_id, 0, 0));
+//! }
+//! assert_eq!(done, vec![(1, Ok(()))]);
+//! # Ok::<(), kvx_rdma::verbs::VerbsError>(())
+//! ```
+//!
 //! # Running the hardware tests
 //!
 //! The tests in `crates/kvx-rdma/tests/verbs_*.rs` need a verbs device (a ConnectX NIC, or

@@ -36,7 +36,7 @@ impl Default for QpConfig {
     fn default() -> Self {
         QpConfig {
             depth: 256,
-            max_sge: 4,
+            max_sge: 8,
             max_inline: 0,
         }
     }
