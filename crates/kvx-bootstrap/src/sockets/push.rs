@@ -4,7 +4,8 @@
 //! socket reports `DISCONNECTED`, and the next send to that endpoint closes the dead socket and
 //! connects a new one. A send that fails (e.g. `SNDTIMEO` expired) also drops the socket, so the
 //! next send starts fresh. The cache holds at most `capacity` endpoints; when full, the least
-//! recently used one is closed (each cached endpoint costs up to three libzmq sockets).
+//! recently used one is closed (each cached endpoint costs up to three libzmq sockets) with a
+//! short linger, so messages still queued toward a live peer are flushed rather than dropped.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -86,6 +87,9 @@ impl std::fmt::Debug for PushCache {
 }
 
 static MONITOR_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Linger given to a socket closed because the cache is full (its peer is alive).
+const EVICT_LINGER_MS: i32 = 1000;
 
 fn ms(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
@@ -202,7 +206,11 @@ impl PushCache {
             .min_by_key(|(_, e)| e.last_used)
             .map(|(k, _)| k.clone())
         {
-            self.entries.remove(&victim);
+            if let Some(entry) = self.entries.remove(&victim) {
+                // Eviction is housekeeping, not a failure: give queued messages a moment to
+                // leave (libzmq flushes in the background) instead of discarding them.
+                let _ = entry.push.set_linger(EVICT_LINGER_MS);
+            }
             tracing::debug!(endpoint = %victim, "push socket evicted (cache full)");
             metrics::counter!("kvx_bootstrap_push_evicted_total").increment(1);
         }
