@@ -1,6 +1,10 @@
 //! The named scenarios and their budgets. Each scenario first checks that the binary offers what
 //! it needs (subcommands, flags) and says SKIP with the missing pieces otherwise.
 
+mod basic;
+mod common;
+mod faults;
+
 use anyhow::Result;
 
 use super::{Ctx, Scenario, Verdict};
@@ -12,31 +16,37 @@ pub fn all() -> Vec<Scenario> {
             name: "happy-tp1",
             about: "several rooms prefill TP1 -> decode TP1, bytes verified",
             budget_s: (60, 300),
-            run: pending,
+            run: basic::happy_tp1,
         },
         Scenario {
             name: "hetero-tp",
             about: "prefill TP2 -> decode TP1 and TP1 -> TP2, with and without staging",
             budget_s: (120, 600),
-            run: pending,
+            run: basic::hetero_tp,
+        },
+        Scenario {
+            name: "hetero-tp-staging",
+            about: "hetero-tp through the staging buffers (--staging on both sides)",
+            budget_s: (120, 600),
+            run: basic::hetero_tp_staging,
         },
         Scenario {
             name: "mla-dummy",
             about: "MLA layout where some prefill ranks are dummies",
             budget_s: (60, 300),
-            run: pending,
+            run: basic::mla_dummy,
         },
         Scenario {
             name: "kill-decode",
             about: "kill -9 a decode mid-transfer: its rooms Failed on the prefill, a second decode unaffected",
             budget_s: (60, 300),
-            run: pending,
+            run: faults::kill_decode,
         },
         Scenario {
             name: "kill-prefill",
             about: "kill -9 a prefill: decode fails its rooms; the prefill restarts and new rooms succeed",
             budget_s: (90, 300),
-            run: pending,
+            run: faults::kill_prefill,
         },
         Scenario {
             name: "lossy-link",
@@ -66,13 +76,13 @@ pub fn all() -> Vec<Scenario> {
             name: "fatal-worker",
             about: "fatal worker fault via failpoint: exact message, rooms Failed, documented exit code",
             budget_s: (60, 300),
-            run: pending,
+            run: faults::fatal_worker,
         },
         Scenario {
             name: "soak",
             about: "many rooms with 1 % injected failures: all terminal, verified, nothing left behind",
             budget_s: (180, 3600),
-            run: pending,
+            run: faults::soak,
         },
     ]
 }

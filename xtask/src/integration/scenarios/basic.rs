@@ -1,0 +1,222 @@
+//! Scenarios without faults: equal TP, heterogeneous TP both ways, and MLA with dummy prefill
+//! ranks. Every room's bytes are verified by the decode against the prefill's pattern, and every
+//! prefill must end with no live per-room entry.
+
+use std::time::Duration;
+
+use anyhow::Result;
+
+use super::common::{self, DecodeOpts, Model, PrefillOpts, Summary};
+use crate::integration::{Ctx, Verdict};
+
+/// How long a decode run of the short profile may take (debug build on 2 busy cores).
+const RUN: Duration = Duration::from_secs(120);
+
+/// Checks one decode's outcome: exit 0, every room verified, none corrupt.
+fn check(name: &str, code: i32, s: &Summary) -> Option<String> {
+    if code != 0 || s.verified != s.requests || s.corrupt != 0 {
+        Some(format!(
+            "{name}: exit {code}, {}; {}",
+            s.figures(),
+            s.top_reason()
+        ))
+    } else {
+        None
+    }
+}
+
+/// `happy-tp1`: several rooms prefill TP1 → decode TP1 on another host.
+pub fn happy_tp1(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(ctx, &["bootstrap", "prefill", "decode --summary-json"]) {
+        return Ok(v);
+    }
+    let model = Model::new("llama3-8b", 160);
+    let boot = common::bootstrap(ctx, 0)?;
+    let p = common::prefill(
+        ctx,
+        "prefill",
+        0,
+        boot.addr,
+        &model,
+        0,
+        &PrefillOpts::default(),
+    )?;
+    let mut o = DecodeOpts::new(common::sized(ctx, 16, 400), 256);
+    o.tokens_max = Some(512);
+    let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
+    let (code, s) = d.finish(RUN)?;
+    ctx.latencies_ms.extend(&s.latencies_ms);
+    if let Some(why) = check("decode", code, &s) {
+        return Ok(Verdict::Fail(why));
+    }
+    let left = common::drained(ctx, &p, Duration::from_secs(5))?;
+    if left != 0.0 {
+        return Ok(Verdict::Fail(format!(
+            "{}; prefill still holds {left} room entries",
+            s.figures()
+        )));
+    }
+    Ok(Verdict::Pass(format!(
+        "{}; 0 room entries left",
+        s.figures()
+    )))
+}
+
+/// Prefill TP `pt` (ranks on hosts 0 and 2) → decode TP `dt` (ranks on hosts 1 and 2).
+fn hetero_case(
+    ctx: &mut Ctx,
+    model: &Model,
+    pt: u32,
+    dt: u32,
+    requests: usize,
+    extra: &[String],
+) -> Result<Result<String, String>> {
+    let popts = PrefillOpts {
+        extra: extra.to_vec(),
+        ..PrefillOpts::default()
+    };
+    let boot = common::bootstrap(ctx, 0)?;
+    let mut prefills = Vec::new();
+    for r in 0..pt {
+        let host = if r == 0 { 0 } else { 2 };
+        prefills.push(common::prefill(
+            ctx,
+            &format!("prefill-tp{pt}-r{r}"),
+            host,
+            boot.addr,
+            &model.tp(pt),
+            r,
+            &popts,
+        )?);
+    }
+    let mut decodes = Vec::new();
+    for r in 0..dt {
+        let mut o = DecodeOpts::new(requests, 256);
+        o.tp_rank = r;
+        o.extra = extra.to_vec();
+        let host = if r == 0 { 1 } else { 2 };
+        decodes.push(common::decode(
+            ctx,
+            &format!("decode-tp{dt}-r{r}-from-tp{pt}"),
+            host,
+            boot.addr,
+            &model.tp(dt),
+            &o,
+        )?);
+    }
+    let mut figures = Vec::new();
+    for (r, d) in decodes.iter_mut().enumerate() {
+        let (code, s) = d.finish(RUN)?;
+        ctx.latencies_ms.extend(&s.latencies_ms);
+        if let Some(why) = check(&format!("TP{pt}->TP{dt} decode rank {r}"), code, &s) {
+            return Ok(Err(why));
+        }
+        figures.push(format!("rank {r}: {}/{} verified", s.verified, s.requests));
+    }
+    for p in &prefills {
+        let left = common::drained(ctx, p, Duration::from_secs(5))?;
+        if left != 0.0 {
+            return Ok(Err(format!(
+                "TP{pt}->TP{dt}: {} still holds {left} room entries",
+                p.proc.name()
+            )));
+        }
+    }
+    Ok(Ok(format!("TP{pt}->TP{dt} ({})", figures.join(", "))))
+}
+
+/// `hetero-tp`: prefill TP2 → decode TP1 and TP1 → TP2 (no staging), bytes verified.
+pub fn hetero_tp(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(ctx, &["bootstrap", "prefill --tp-size", "decode --tp-rank"]) {
+        return Ok(v);
+    }
+    hetero(ctx, &[])
+}
+
+fn hetero(ctx: &mut Ctx, extra: &[String]) -> Result<Verdict> {
+    let model = Model::new("llama3-8b", 96);
+    let n = common::sized(ctx, 8, 100);
+    let mut figures = Vec::new();
+    for (pt, dt) in [(2, 1), (1, 2)] {
+        match hetero_case(ctx, &model, pt, dt, n, extra)? {
+            Ok(f) => figures.push(f),
+            Err(why) => return Ok(Verdict::Fail(why)),
+        }
+    }
+    Ok(Verdict::Pass(format!(
+        "{}; 0 room entries left",
+        figures.join("; ")
+    )))
+}
+
+/// `hetero-tp-staging`: the same through the staging buffers (`--staging` on both sides), when
+/// the binary offers them.
+pub fn hetero_tp_staging(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(ctx, &["bootstrap", "prefill --staging", "decode --staging"]) {
+        return Ok(v);
+    }
+    hetero(ctx, &common::args(&["--staging"]))
+}
+
+/// `mla-dummy`: DeepSeek-V3 (MLA) prefill TP2 → decode TP1: rank 1 is a dummy.
+pub fn mla_dummy(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(ctx, &["bootstrap", "prefill --tp-size", "decode --tp-rank"]) {
+        return Ok(v);
+    }
+    let model = Model::new("deepseek-v3", 96);
+    let n = common::sized(ctx, 8, 100);
+    let boot = common::bootstrap(ctx, 0)?;
+    let p0 = common::prefill(
+        ctx,
+        "prefill-r0",
+        0,
+        boot.addr,
+        &model.tp(2),
+        0,
+        &PrefillOpts::default(),
+    )?;
+    let p1 = common::prefill(
+        ctx,
+        "prefill-r1",
+        2,
+        boot.addr,
+        &model.tp(2),
+        1,
+        &PrefillOpts::default(),
+    )?;
+    let mut d = common::decode(
+        ctx,
+        "decode",
+        1,
+        boot.addr,
+        &model,
+        &DecodeOpts::new(n, 256),
+    )?;
+    let (code, s) = d.finish(RUN)?;
+    ctx.latencies_ms.extend(&s.latencies_ms);
+    if let Some(why) = check("decode", code, &s) {
+        return Ok(Verdict::Fail(why));
+    }
+    let real = ctx.scrape(0, p0.metrics)?.get("kvx_transfer_bytes_total");
+    let dummy = ctx.scrape(2, p1.metrics)?.get("kvx_transfer_bytes_total");
+    if dummy != 0.0 {
+        return Ok(Verdict::Fail(format!(
+            "dummy rank 1 wrote {dummy} bytes (a dummy must write nothing)"
+        )));
+    }
+    for p in [&p0, &p1] {
+        let left = common::drained(ctx, p, Duration::from_secs(5))?;
+        if left != 0.0 {
+            return Ok(Verdict::Fail(format!(
+                "{}; {} still holds {left} room entries",
+                s.figures(),
+                p.proc.name()
+            )));
+        }
+    }
+    Ok(Verdict::Pass(format!(
+        "{}; rank 0 wrote {:.1} MiB, dummy rank 1 wrote 0; 0 room entries left",
+        s.figures(),
+        real / (1u64 << 20) as f64
+    )))
+}
