@@ -1,0 +1,253 @@
+//! Transport benchmark: the tcp backend against a plain socket loop and memcpy, in one run.
+//!
+//! Cases (all over loopback, same process):
+//! - `memcpy`: one-thread copy of the bulk size (the same-host ceiling);
+//! - `socket-loop`: N plain blocking TCP connections, each `write_all`-ing its share of the bulk
+//!   buffer straight into a `read_exact` on the other side (N = the tcp backend's connections);
+//! - `tcp bulk`: the tcp backend writing the same bytes as one batch of one op;
+//! - `tcp kv p1` / `tcp kv p16`: Llama-3-8B KV (32 layers × K,V; 8 KV heads × 128 dim bf16 =
+//!   2 KiB per token per buffer), 4096 tokens, page size 1 or 16, destination pages fragmented
+//!   (pairs of pages shuffled), planned into merged ops, one batch per room.
+//!
+//! Each case runs `KVX_BENCH_REPS` times (default 3), interleaved, and keeps its best run. The
+//! last line is `tcp/socket-loop ratio: X.XX` (bulk, same connection count, same bytes).
+//! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_CONNS` (default: the tcp
+//! default), `KVX_BENCH_TOKENS` (default 4096).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvx_core::TransferOp;
+use kvx_rdma::{TcpConfig, TcpTransport, Transport};
+
+const LAYERS: usize = 32;
+const TOKEN_BYTES: usize = 8 * 128 * 2;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Plain blocking socket loop: `conns` connections share `src` → `dst`.
+fn socket_loop(src: &[u8], dst: &mut [u8], conns: usize) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let share = src.len().div_ceil(conns);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for chunk in src.chunks(share) {
+            scope.spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_nodelay(true).unwrap();
+                for piece in chunk.chunks(4 << 20) {
+                    s.write_all(piece).unwrap();
+                }
+            });
+        }
+        let mut sinks = Vec::new();
+        for _ in 0..src.len().div_ceil(share) {
+            sinks.push(listener.accept().unwrap().0);
+        }
+        // Shares have equal lengths (bulk is a multiple of the connection count in every
+        // configuration used), so each accepted stream simply fills the next share.
+        for (sink, out) in sinks.into_iter().zip(dst.chunks_mut(share)) {
+            scope.spawn(move || {
+                let mut sink = sink;
+                sink.read_exact(out).unwrap();
+            });
+        }
+    });
+    start.elapsed()
+}
+
+/// Small deterministic generator for the page shuffle.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Plans a KV room: `tokens` tokens in pages of `page` tokens; source pages in order,
+/// destination pages shuffled in pairs; consecutive (src, dst) page pairs merged into one op.
+fn plan_kv(src_base: u64, dst_base: u64, tokens: usize, page: usize) -> Vec<TransferOp> {
+    let pages = tokens / page;
+    let page_bytes = (page * TOKEN_BYTES) as u64;
+    let buf_bytes = (tokens * TOKEN_BYTES) as u64;
+    let mut pairs: Vec<usize> = (0..pages.div_ceil(2)).collect();
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    for i in (1..pairs.len()).rev() {
+        pairs.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let dst_pages: Vec<usize> = pairs
+        .iter()
+        .flat_map(|&p| [2 * p, 2 * p + 1])
+        .filter(|&p| p < pages)
+        .collect();
+    let mut ops = Vec::new();
+    for buf in 0..2 * LAYERS {
+        let (sb, db) = (
+            src_base + buf as u64 * buf_bytes,
+            dst_base + buf as u64 * buf_bytes,
+        );
+        let mut i = 0;
+        while i < pages {
+            let mut j = i + 1;
+            while j < pages && dst_pages[j] == dst_pages[j - 1] + 1 {
+                j += 1;
+            }
+            ops.push(TransferOp::new(
+                sb + i as u64 * page_bytes,
+                db + dst_pages[i] as u64 * page_bytes,
+                (j - i) as u64 * page_bytes,
+            ));
+            i = j;
+        }
+    }
+    ops
+}
+
+struct Row {
+    name: String,
+    bytes: u64,
+    ops: usize,
+    best: Duration,
+}
+
+impl Row {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.best.as_secs_f64() / 1e9
+    }
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let bulk = env_usize("KVX_BENCH_MIB", 512) << 20;
+    let reps = env_usize("KVX_BENCH_REPS", 3).max(1);
+    let tokens = env_usize("KVX_BENCH_TOKENS", 4096);
+    let cfg = TcpConfig {
+        connections: env_usize("KVX_BENCH_CONNS", TcpConfig::default().connections),
+        ..TcpConfig::default()
+    };
+    let conns = cfg.connections;
+    let kv_bytes = 2 * LAYERS * tokens * TOKEN_BYTES;
+    let size = bulk.max(kv_bytes);
+    println!(
+        "transport bench: bulk {} MiB, KV {} tokens ({} MiB), {} connections, best of {}",
+        bulk >> 20,
+        tokens,
+        kv_bytes >> 20,
+        conns,
+        reps
+    );
+    let mut src: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
+    let mut dst = vec![1u8; size];
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, client, session) = rt.block_on(async {
+        let server = TcpTransport::bind("127.0.0.1:0", cfg.clone())
+            .await
+            .unwrap();
+        let client = TcpTransport::client(cfg.clone());
+        // SAFETY: both buffers live until the end of main, after every batch completed.
+        unsafe {
+            server
+                .register(dst.as_mut_ptr() as u64, size as u64)
+                .unwrap();
+            client
+                .register(src.as_mut_ptr() as u64, size as u64)
+                .unwrap();
+        }
+        let session = client.connect(&server.endpoint()).await.unwrap();
+        (server, client, session)
+    });
+    let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    let cases: Vec<(String, Vec<TransferOp>)> = vec![
+        ("tcp bulk".into(), vec![TransferOp::new(s, d, bulk as u64)]),
+        ("tcp kv p1".into(), plan_kv(s, d, tokens, 1)),
+        ("tcp kv p16".into(), plan_kv(s, d, tokens, 16)),
+    ];
+
+    let mut rows = vec![
+        Row {
+            name: "memcpy".into(),
+            bytes: bulk as u64,
+            ops: 1,
+            best: Duration::MAX,
+        },
+        Row {
+            name: format!("socket-loop x{conns}"),
+            bytes: bulk as u64,
+            ops: 1,
+            best: Duration::MAX,
+        },
+    ];
+    for (name, ops) in &cases {
+        rows.push(Row {
+            name: format!("{name} x{conns}"),
+            bytes: TransferOp::total_bytes(ops),
+            ops: ops.len(),
+            best: Duration::MAX,
+        });
+    }
+    // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
+    socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+    rt.block_on(session.write_batch(cases[0].1.clone()))
+        .unwrap();
+    for _ in 0..reps {
+        let t = Instant::now();
+        dst[..bulk].copy_from_slice(&src[..bulk]);
+        rows[0].best = rows[0].best.min(t.elapsed());
+        let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+        rows[1].best = rows[1].best.min(t);
+        for (i, (_, ops)) in cases.iter().enumerate() {
+            let ops = ops.clone();
+            let t = Instant::now();
+            rt.block_on(session.write_batch(ops)).unwrap();
+            rows[2 + i].best = rows[2 + i].best.min(t.elapsed());
+        }
+    }
+    // Bytes check on the last KV case: the planned destination must equal the source.
+    for op in &cases[2].1 {
+        let (so, doff) = ((op.src - s) as usize, (op.dst - d) as usize);
+        assert_eq!(
+            &src[so..so + op.len as usize],
+            &dst[doff..doff + op.len as usize]
+        );
+    }
+    drop((session, client, server));
+    drop(rt);
+
+    let base = rows[1].gbps();
+    println!();
+    println!("| case | bytes | ops | best ms | GB/s | vs socket loop |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} |",
+            r.name,
+            r.bytes >> 20,
+            r.ops,
+            r.best.as_secs_f64() * 1e3,
+            r.gbps(),
+            r.gbps() / base
+        );
+    }
+    println!();
+    println!("tcp/socket-loop ratio: {:.2}", rows[2].gbps() / base);
+}
