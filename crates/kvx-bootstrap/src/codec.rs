@@ -37,6 +37,7 @@
 
 mod abort;
 mod aux_data;
+pub mod check;
 mod error;
 mod inbox;
 mod le;

@@ -9,14 +9,14 @@ use kvx_core::{DecodeRegistration, Room};
 
 use super::abort::{ABORT_ACK_TAG, ABORT_TAG, Abort, AbortAck};
 use super::aux_data::{AUX_DATA_TAG, AuxData};
-use super::metadata::MetadataRef;
-use super::registration::{REGISTRATION_TAG, parse_registration};
+use super::metadata::{MetadataRef, encode_metadata};
+use super::registration::{REGISTRATION_TAG, encode_registration, parse_registration};
 use super::staging::{
     CHUNK_READY_TAG, ChunkReady, STAGING_REQ_TAG, STAGING_RSP_TAG, StagingReq, StagingRsp,
     WATERMARK_TAG, Watermark,
 };
 use super::status::TransferStatus;
-use super::{CodecError, unknown_tag};
+use super::{CodecError, Frames, unknown_tag};
 
 /// Frame 0 of the later revision's opt-in decode-allocation handshake (not implemented).
 pub const BOOTSTRAP_TAG: &[u8] = b"BOOTSTRAP";
@@ -56,6 +56,17 @@ impl<'a> PrefillInbound<'a> {
             }),
             t if is_decimal(t) => MetadataRef::parse(frames).map(PrefillInbound::Metadata),
             t => Err(unknown_tag(t)),
+        }
+    }
+
+    /// Encodes the message back to frames (the canonical form of what was parsed).
+    pub fn encode(&self) -> Result<Frames, CodecError> {
+        match self {
+            PrefillInbound::Registration(r) => encode_registration(r),
+            PrefillInbound::Metadata(m) => encode_metadata(&m.to_request()),
+            PrefillInbound::Abort(a) => Ok(a.encode()),
+            PrefillInbound::StagingRsp(s) => Ok(s.encode()),
+            PrefillInbound::Watermark(w) => Ok(w.encode()),
         }
     }
 
@@ -107,6 +118,18 @@ impl<'a> DecodeInbound<'a> {
             ABORT_ACK_TAG => AbortAck::parse(frames).map(DecodeInbound::AbortAck),
             t if is_decimal(t) => TransferStatus::parse(frames).map(DecodeInbound::Status),
             t => Err(unknown_tag(t)),
+        }
+    }
+
+    /// Encodes the message back to frames (the canonical form of what was parsed; a status
+    /// drops its reason, as [`TransferStatus::encode`] does).
+    pub fn encode(&self) -> Result<Frames, CodecError> {
+        match self {
+            DecodeInbound::Status(s) => Ok(s.encode()),
+            DecodeInbound::AuxData(a) => a.encode(),
+            DecodeInbound::ChunkReady(c) => Ok(c.encode()),
+            DecodeInbound::StagingReq(s) => Ok(s.encode()),
+            DecodeInbound::AbortAck(a) => Ok(a.encode()),
         }
     }
 
