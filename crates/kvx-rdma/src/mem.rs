@@ -259,38 +259,84 @@ pub fn writev(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize) -> io::Result<us
     Ok(n as usize)
 }
 
-/// `readv(fd, [span[done..], tail])`: reads payload straight into registered memory and, when
-/// the payload is complete, continues into `tail` (the next frame header). Returns bytes read;
-/// 0 means EOF.
-pub fn readv_into(fd: RawFd, span: Option<(Span, usize)>, tail: &mut [u8]) -> io::Result<usize> {
-    let mut iov: [libc::iovec; 2] = [libc::iovec {
-        iov_base: std::ptr::null_mut(),
-        iov_len: 0,
-    }; 2];
-    let mut n_iov = 0;
-    if let Some((s, done)) = span
-        && done < s.len
-    {
-        iov[0] = libc::iovec {
-            iov_base: (s.addr as usize + done) as *mut libc::c_void,
-            iov_len: s.len - done,
-        };
-        n_iov = 1;
+/// Where received payload bytes go: registered memory, or (for a rejected write) nowhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvTarget {
+    /// Straight into a checked span.
+    Mem(Span),
+    /// This many bytes are read into a scratch buffer and dropped.
+    Discard(u64),
+}
+
+impl RecvTarget {
+    /// Payload length of this target.
+    pub fn len(&self) -> u64 {
+        match self {
+            RecvTarget::Mem(s) => s.len as u64,
+            RecvTarget::Discard(n) => *n,
+        }
     }
-    if !tail.is_empty() {
-        iov[n_iov] = libc::iovec {
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One `readv`: the rest of `targets` (the first one from byte `off`), then `tail` (the next
+/// frame header). Payload for [`RecvTarget::Mem`] lands straight in registered memory; discarded
+/// bytes land in `scratch`. Returns bytes read; 0 means EOF.
+pub fn readv_targets(
+    fd: RawFd,
+    targets: &[RecvTarget],
+    mut off: usize,
+    scratch: &mut [u8],
+    tail: &mut [u8],
+) -> io::Result<usize> {
+    let mut iov: Vec<libc::iovec> = Vec::with_capacity((targets.len() + 1).min(MAX_IOV));
+    let mut complete = true;
+    for t in targets {
+        if iov.len() == MAX_IOV - 1 {
+            complete = false;
+            break;
+        }
+        let left = (t.len() as usize).saturating_sub(off);
+        match t {
+            _ if left == 0 => {}
+            RecvTarget::Mem(s) => iov.push(libc::iovec {
+                iov_base: (s.addr as usize + off) as *mut libc::c_void,
+                iov_len: left,
+            }),
+            RecvTarget::Discard(_) => {
+                let n = left.min(scratch.len());
+                iov.push(libc::iovec {
+                    iov_base: scratch.as_mut_ptr() as *mut libc::c_void,
+                    iov_len: n,
+                });
+                if n < left {
+                    // Bytes after this one still belong to the discarded payload.
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        off = 0;
+    }
+    if complete && !tail.is_empty() {
+        iov.push(libc::iovec {
             iov_base: tail.as_mut_ptr() as *mut libc::c_void,
             iov_len: tail.len(),
-        };
-        n_iov += 1;
+        });
     }
-    if n_iov == 0 {
+    if iov.is_empty() {
         return Ok(0);
     }
-    // SAFETY: iov[0] (if used) lies inside a `Span` checked against a registered region (the
-    // registration contract keeps it mapped and writable); iov[1] is the caller's `tail` slice,
-    // exclusively borrowed for this call. The kernel writes at most iov_len bytes into each.
-    let n = unsafe { libc::readv(fd, iov.as_ptr(), n_iov as libc::c_int) };
+    // SAFETY: `Mem` iovecs lie inside `Span`s, which exist only after a successful check
+    // against a registered region (the registration contract keeps them mapped and writable);
+    // the others point into `scratch` and `tail`, exclusively borrowed for this call. Several
+    // iovecs may share `scratch`; its bytes are never read. The kernel writes at most iov_len
+    // bytes into each.
+    let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::TransferOp;
-use kvx_rdma::tcp::wire::{self, Ack, ClientFrame, HEADER_LEN, HELLO_LEN, Hello};
+use kvx_rdma::tcp::wire::{self, Ack, ClientFrame, Entry, HEADER_LEN, HELLO_LEN, Hello};
 use kvx_rdma::{
     RejectReason, SegmentDescriptor, TcpConfig, TcpTransport, Transport, TransportError,
 };
@@ -214,6 +214,54 @@ async fn adversarial_client_is_rejected_and_server_lives_on() {
         let ack = raw_fence(&mut s, 8);
         assert_eq!((ack.status, ack.bytes), (None, 5));
 
+        // Vectored write: out of bounds, wrong key, then a good entry; only the good one lands.
+        let entries = [
+            (key, base + (1 << 16) - 2, 8u64),
+            (key ^ 1, base + 200, 8),
+            (key, base + 300, 5),
+        ];
+        let mut frame = ClientFrame::WriteV { count: 3, tag: 0 }.encode().to_vec();
+        for (k, addr, len) in entries {
+            frame.extend_from_slice(
+                &Entry {
+                    key: kvx_rdma::RegionKey(k),
+                    addr,
+                    len,
+                }
+                .encode(),
+            );
+        }
+        frame.extend_from_slice(&[0xee; 16]);
+        frame.extend_from_slice(b"world");
+        s.write_all(&frame).unwrap();
+        let ack = raw_fence(&mut s, 9);
+        assert_eq!(
+            (ack.status, ack.rejected, ack.bytes),
+            (Some(RejectReason::OutOfBounds), 2, 5)
+        );
+
+        // A vectored write whose entry is oversized: rejected and closed.
+        let (mut s, _) = raw_connect(&ep2);
+        let mut frame = ClientFrame::WriteV { count: 1, tag: 0 }.encode().to_vec();
+        frame.extend_from_slice(
+            &Entry {
+                key: kvx_rdma::RegionKey(key),
+                addr: base,
+                len: 1 << 40,
+            }
+            .encode(),
+        );
+        s.write_all(&frame).unwrap();
+        assert_eq!(read_ack(&mut s).status, Some(RejectReason::TooLong));
+        assert_closed(&mut s);
+
+        // Truncated entries.
+        let (mut s, _) = raw_connect(&ep2);
+        s.write_all(&ClientFrame::WriteV { count: 4, tag: 0 }.encode())
+            .unwrap();
+        s.write_all(&[0u8; 30]).unwrap();
+        drop(s);
+
         // Huge length: rejected, connection closed without reading a payload.
         let (mut s, _) = raw_connect(&ep2);
         s.write_all(
@@ -281,11 +329,17 @@ async fn adversarial_client_is_rejected_and_server_lives_on() {
     // Only the good 5 bytes (and the truncated write's 50 bytes, which were in bounds and
     // under a valid key) reached memory; the rest is untouched.
     assert_eq!(&dst.0[100..105], b"hello");
+    assert_eq!(&dst.0[300..305], b"world");
     let other = dst
         .0
         .iter()
         .enumerate()
-        .filter(|&(i, &b)| b != 0 && !(100..105).contains(&i) && !(2000..2050).contains(&i))
+        .filter(|&(i, &b)| {
+            b != 0
+                && !(100..105).contains(&i)
+                && !(300..305).contains(&i)
+                && !(2000..2050).contains(&i)
+        })
         .count();
     assert_eq!(other, 0, "rejected writes must not touch memory");
 

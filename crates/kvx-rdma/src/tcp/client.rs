@@ -4,8 +4,8 @@
 //! region, every dst in one of the peer's regions) and cut into *windows* of at most
 //! `window_bytes` (ops longer than `slice_bytes` are sliced); windows go round-robin to the
 //! connections through bounded queues (backpressure: posting waits for room). Each connection's
-//! writer sends a window as one vectored stream — header, payload from registered memory,
-//! header, payload, …, fence — and its reader matches the peer's acknowledgements to windows in
+//! writer sends a window as one vectored stream — vectored-write header and entries, payloads
+//! straight from registered memory, …, fence — and its reader matches the peer's acknowledgements to windows in
 //! order. A batch completes when all its windows are acknowledged, or fails on the first
 //! rejection or connection loss. A connection with an unacknowledged window older than
 //! `ack_timeout` is declared dead (silent peer); a dead connection fails everything it carries
@@ -25,7 +25,7 @@ use crate::mem::{IoPart, RegionTable, Span};
 use crate::segment::{RegionKey, SegmentDescriptor};
 use crate::tcp::TcpConfig;
 use crate::tcp::io::write_parts;
-use crate::tcp::wire::{Ack, ClientFrame, HEADER_LEN};
+use crate::tcp::wire::{Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, MAX_ENTRIES};
 use crate::transport::{BatchReport, BoxFuture, Session};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -283,7 +283,7 @@ impl Session for TcpSession {
 
 async fn writer(c: Arc<ConnShared>, mut rx: mpsc::Receiver<Window>) {
     let mut next_tag = 1u64;
-    let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
+    let mut meta: Vec<u8> = Vec::new();
     while let Some(w) = rx.recv().await {
         if c.is_dead.load(Ordering::Acquire) {
             w.batch.finish_window(Err(c.dead_error()));
@@ -291,29 +291,41 @@ async fn writer(c: Arc<ConnShared>, mut rx: mpsc::Receiver<Window>) {
         }
         let tag = next_tag;
         next_tag += 1;
-        headers.clear();
-        for ww in &w.writes {
-            headers.push(
-                ClientFrame::Write {
-                    key: ww.key,
-                    addr: ww.dst,
-                    len: ww.src.len() as u64,
+        // Control bytes of the whole window: per group of up to MAX_ENTRIES writes a vectored
+        // write header and its entries; then the fence. Payloads stay in registered memory.
+        meta.clear();
+        let groups: Vec<&[WireWrite]> = w.writes.chunks(MAX_ENTRIES as usize).collect();
+        for g in &groups {
+            meta.extend_from_slice(
+                &ClientFrame::WriteV {
+                    count: g.len() as u32,
                     tag,
                 }
                 .encode(),
             );
+            for ww in g.iter() {
+                meta.extend_from_slice(
+                    &Entry {
+                        key: ww.key,
+                        addr: ww.dst,
+                        len: ww.src.len() as u64,
+                    }
+                    .encode(),
+                );
+            }
         }
-        headers.push(ClientFrame::Fence { tag }.encode());
-        let mut parts = Vec::with_capacity(2 * w.writes.len() + 1);
-        for (h, ww) in headers.iter().zip(&w.writes) {
-            parts.push(IoPart::Bytes(h));
-            if !ww.src.is_empty() {
+        meta.extend_from_slice(&ClientFrame::Fence { tag }.encode());
+        let mut parts = Vec::with_capacity(w.writes.len() + 2 * groups.len() + 1);
+        let mut at = 0;
+        for g in &groups {
+            let n = HEADER_LEN + g.len() * ENTRY_LEN;
+            parts.push(IoPart::Bytes(&meta[at..at + n]));
+            at += n;
+            for ww in g.iter().filter(|ww| !ww.src.is_empty()) {
                 parts.push(IoPart::Span(ww.src));
             }
         }
-        if let Some(f) = headers.last() {
-            parts.push(IoPart::Bytes(f));
-        }
+        parts.push(IoPart::Bytes(&meta[at..]));
         lock(&c.pending).push_back(Pending {
             tag,
             batch: w.batch.clone(),

@@ -18,11 +18,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::error::RejectReason;
-use crate::mem::{self, RegionTable, Span};
+use crate::mem::{self, RecvTarget, RegionTable};
 use crate::segment::SegmentDescriptor;
 use crate::tcp::io::{read_full, write_all};
 use crate::tcp::wire::{
-    Ack, ClientFrame, HEADER_LEN, HELLO_BAD_VERSION, HELLO_LEN, HELLO_OK, Hello, VERSION,
+    Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, HELLO_BAD_VERSION, HELLO_LEN, HELLO_OK, Hello,
+    VERSION,
 };
 
 /// What the accept loop needs.
@@ -104,11 +105,18 @@ async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> io::Result<bool> {
     Ok(ok)
 }
 
-/// What the receive loop is doing with the bytes after the current header.
-enum Payload {
-    None,
-    Into { span: Span, done: usize },
-    Drain { left: u64 },
+/// What the receive loop is reading.
+enum State {
+    /// A frame header (into `hdr`).
+    Header,
+    /// The entries of a vectored write.
+    Entries { buf: Vec<u8>, have: usize },
+    /// Payloads: `targets[idx..]`, the first from byte `off`; then the next header.
+    Payload {
+        targets: Vec<RecvTarget>,
+        idx: usize,
+        off: usize,
+    },
 }
 
 /// Counters since the previous fence.
@@ -157,58 +165,80 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     let mut hdr = [0u8; HEADER_LEN];
     let mut have = 0usize;
-    let mut payload = Payload::None;
+    let mut state = State::Header;
     let mut win = Window::default();
     let mut scratch = vec![0u8; 64 << 10];
     loop {
-        // One read: payload (into registered memory or the drain buffer), then header bytes.
-        let n = match &payload {
-            Payload::Into { span, done } => {
-                let (span, done) = (*span, *done);
+        // One read: payload (into registered memory, or scratch for rejected writes), then as
+        // much of the next header as is there.
+        let n = match &mut state {
+            State::Header => {
                 let tail = &mut hdr[have..];
-                read_some(&stream, || mem::readv_into(fd, Some((span, done)), tail)).await?
+                read_some(&stream, || mem::readv_targets(fd, &[], 0, &mut [], tail)).await?
             }
-            Payload::Drain { left } => {
-                let take = (*left).min(scratch.len() as u64) as usize;
-                let buf = &mut scratch[..take];
-                read_some(&stream, || {
-                    // Draining a rejected write: bytes go to scratch, never to registered memory.
-                    mem::readv_into(fd, None, buf)
-                })
-                .await?
+            State::Entries { buf, have: got } => {
+                let tail = &mut buf[*got..];
+                read_some(&stream, || mem::readv_targets(fd, &[], 0, &mut [], tail)).await?
             }
-            Payload::None => {
+            State::Payload { targets, idx, off } => {
+                let (t, o) = (&targets[*idx..], *off);
                 let tail = &mut hdr[have..];
-                read_some(&stream, || mem::readv_into(fd, None, tail)).await?
+                let scratch = &mut scratch[..];
+                read_some(&stream, || mem::readv_targets(fd, t, o, scratch, tail)).await?
             }
         };
         if n == 0 {
-            if have == 0 && matches!(payload, Payload::None) {
+            if have == 0 && matches!(state, State::Header) {
                 return Ok(());
             }
             metrics::counter!("kvx_tcp_truncated_frames_total").increment(1);
             return Err(proto_err("connection closed inside a frame"));
         }
         let mut n = n;
-        match &mut payload {
-            Payload::Into { span, done } => {
-                let k = n.min(span.len() - *done);
-                *done += k;
-                win.bytes += k as u64;
-                n -= k;
-                have += n;
-                if *done == span.len() {
-                    payload = Payload::None;
-                }
-            }
-            Payload::Drain { left } => {
-                *left -= n as u64;
-                if *left == 0 {
-                    payload = Payload::None;
+        match &mut state {
+            State::Header => have += n,
+            State::Entries { buf, have: got } => {
+                *got += n;
+                if *got == buf.len() {
+                    let buf = std::mem::take(buf);
+                    state = match entries_to_payload(&buf, ctx, &mut win) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
+                            return Err(e);
+                        }
+                    };
+                    if let State::Payload { targets, idx, .. } = &state
+                        && *idx >= targets.len()
+                    {
+                        state = State::Header;
+                    }
                 }
                 continue;
             }
-            Payload::None => have += n,
+            State::Payload { targets, idx, off } => {
+                while n > 0 && *idx < targets.len() {
+                    let t = targets[*idx];
+                    let k = n.min(t.len() as usize - *off);
+                    if let RecvTarget::Mem(_) = t {
+                        win.bytes += k as u64;
+                    }
+                    *off += k;
+                    n -= k;
+                    if *off == t.len() as usize {
+                        *idx += 1;
+                        *off = 0;
+                    }
+                }
+                while *idx < targets.len() && targets[*idx].is_empty() {
+                    *idx += 1;
+                }
+                have += n;
+                if *idx < targets.len() {
+                    continue;
+                }
+                state = State::Header;
+            }
         }
         if have < HEADER_LEN {
             continue;
@@ -224,22 +254,27 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
         };
         match frame {
             ClientFrame::Write { key, addr, len, .. } => {
-                if len > u64::from(ctx.max_write_len) {
-                    win.reject(RejectReason::TooLong, addr);
-                    let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
-                    return Err(proto_err(format!("write of {len} bytes exceeds the limit")));
-                }
-                match ctx.table.check_keyed(key, addr, len) {
-                    Ok(span) if span.is_empty() => {}
-                    Ok(span) => payload = Payload::Into { span, done: 0 },
-                    Err(reason) => {
-                        tracing::warn!(%key, addr, len, %reason, "rejected write");
-                        win.reject(reason, addr);
-                        if len > 0 {
-                            payload = Payload::Drain { left: len };
+                let t = check_write(ctx, &mut win, Entry { key, addr, len });
+                match t {
+                    Some(t) if !t.is_empty() => {
+                        state = State::Payload {
+                            targets: vec![t],
+                            idx: 0,
+                            off: 0,
                         }
                     }
+                    Some(_) => {}
+                    None => {
+                        let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
+                        return Err(proto_err(format!("write of {len} bytes exceeds the limit")));
+                    }
                 }
+            }
+            ClientFrame::WriteV { count, .. } => {
+                state = State::Entries {
+                    buf: vec![0u8; count as usize * ENTRY_LEN],
+                    have: 0,
+                };
             }
             ClientFrame::Fence { tag } => {
                 let ack = win.ack(tag);
@@ -248,6 +283,53 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
             }
         }
     }
+}
+
+/// Checks one write: `Some(Mem)` to receive it, `Some(Discard)` when rejected (its payload is
+/// drained), `None` when its length is above the limit (the connection must close).
+fn check_write(ctx: &ServerCtx, win: &mut Window, e: Entry) -> Option<RecvTarget> {
+    if e.len > u64::from(ctx.max_write_len) {
+        win.reject(RejectReason::TooLong, e.addr);
+        return None;
+    }
+    match ctx.table.check_keyed(e.key, e.addr, e.len) {
+        Ok(span) => Some(RecvTarget::Mem(span)),
+        Err(reason) => {
+            tracing::warn!(key = %e.key, addr = e.addr, len = e.len, %reason, "rejected write");
+            win.reject(reason, e.addr);
+            Some(RecvTarget::Discard(e.len))
+        }
+    }
+}
+
+/// Turns the entries of a vectored write into receive targets (checked before any payload
+/// byte is read).
+fn entries_to_payload(buf: &[u8], ctx: &ServerCtx, win: &mut Window) -> io::Result<State> {
+    let mut targets = Vec::with_capacity(buf.len() / ENTRY_LEN);
+    for raw in buf.chunks_exact(ENTRY_LEN) {
+        let e = match Entry::decode(raw) {
+            Ok(e) => e,
+            Err(reason) => {
+                win.reject(reason, 0);
+                return Err(proto_err("malformed vectored-write entry"));
+            }
+        };
+        match check_write(ctx, win, e) {
+            Some(t) => targets.push(t),
+            None => {
+                return Err(proto_err(format!(
+                    "write of {} bytes exceeds the limit",
+                    e.len
+                )));
+            }
+        }
+    }
+    let idx = targets.iter().take_while(|t| t.is_empty()).count();
+    Ok(State::Payload {
+        targets,
+        idx,
+        off: 0,
+    })
 }
 
 /// Runs `f` when the socket is readable until it stops returning `WouldBlock`.

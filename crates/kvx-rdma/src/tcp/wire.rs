@@ -21,8 +21,15 @@ pub const MAX_DESC_LEN: u32 = 32 << 20;
 pub const KIND_WRITE: u8 = 1;
 /// Frame kind: a fence (asks for an acknowledgement of everything since the last fence).
 pub const KIND_FENCE: u8 = 2;
+/// Frame kind: a vectored write (header, `count` entries, then the payloads back to back).
+pub const KIND_WRITEV: u8 = 3;
 /// Frame kind: an acknowledgement (server to client).
 pub const KIND_ACK: u8 = 0x81;
+
+/// Size of one entry of a vectored write.
+pub const ENTRY_LEN: usize = 24;
+/// Most entries in one vectored write.
+pub const MAX_ENTRIES: u32 = 1024;
 
 /// Hello status: accepted.
 pub const HELLO_OK: u16 = 0;
@@ -98,6 +105,13 @@ pub enum ClientFrame {
         /// Sender's tag (the window it belongs to), echoed in nothing; for tracing.
         tag: u64,
     },
+    /// `count` [`Entry`]s follow the header, then their payloads in order.
+    WriteV {
+        /// Number of entries (1..=[`MAX_ENTRIES`]).
+        count: u32,
+        /// Sender's tag.
+        tag: u64,
+    },
     /// Acknowledge everything since the previous fence, echoing `tag`.
     Fence {
         /// Window tag.
@@ -132,6 +146,11 @@ impl ClientFrame {
                 b[16..24].copy_from_slice(&len.to_le_bytes());
                 b[24..32].copy_from_slice(&tag.to_le_bytes());
             }
+            ClientFrame::WriteV { count, tag } => {
+                b[0] = KIND_WRITEV;
+                b[4..8].copy_from_slice(&count.to_le_bytes());
+                b[24..32].copy_from_slice(&tag.to_le_bytes());
+            }
             ClientFrame::Fence { tag } => {
                 b[0] = KIND_FENCE;
                 b[24..32].copy_from_slice(&tag.to_le_bytes());
@@ -152,11 +171,60 @@ impl ClientFrame {
                 len: u64_at(b, 16),
                 tag: u64_at(b, 24),
             }),
+            KIND_WRITEV
+                if b[8..24].iter().all(|&x| x == 0)
+                    && (1..=MAX_ENTRIES).contains(&u32_at(b, 4)) =>
+            {
+                Ok(ClientFrame::WriteV {
+                    count: u32_at(b, 4),
+                    tag: u64_at(b, 24),
+                })
+            }
             KIND_FENCE if b[4..24].iter().all(|&x| x == 0) => {
                 Ok(ClientFrame::Fence { tag: u64_at(b, 24) })
             }
             _ => Err(RejectReason::BadFrame),
         }
+    }
+}
+
+/// One entry of a vectored write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Region key.
+    pub key: RegionKey,
+    /// Destination address.
+    pub addr: u64,
+    /// Payload length.
+    pub len: u64,
+}
+
+impl Entry {
+    /// Encodes the 24-byte entry.
+    pub fn encode(&self) -> [u8; ENTRY_LEN] {
+        let mut b = [0u8; ENTRY_LEN];
+        b[0..4].copy_from_slice(&self.key.0.to_le_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes one entry (`b` must hold [`ENTRY_LEN`] bytes); reserved bytes must be zero.
+    pub fn decode(b: &[u8]) -> Result<Self, RejectReason> {
+        if b.len() != ENTRY_LEN || b[4..8] != [0, 0, 0, 0] {
+            return Err(RejectReason::BadFrame);
+        }
+        let mut k = [0u8; 4];
+        k.copy_from_slice(&b[0..4]);
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[8..16]);
+        let mut l = [0u8; 8];
+        l.copy_from_slice(&b[16..24]);
+        Ok(Entry {
+            key: RegionKey(u32::from_le_bytes(k)),
+            addr: u64::from_le_bytes(a),
+            len: u64::from_le_bytes(l),
+        })
     }
 }
 
@@ -245,6 +313,14 @@ mod tests {
         }
         .encode();
         assert_eq!(&h, b"KVXT\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00");
+        let v = ClientFrame::WriteV { count: 2, tag: 3 }.encode();
+        assert_eq!(&v[..8], &[3, 0, 0, 0, 2, 0, 0, 0]);
+        let mut zero = v;
+        zero[4] = 0;
+        assert_eq!(ClientFrame::decode(&zero), Err(RejectReason::BadFrame));
+        let mut many = v;
+        many[4..8].copy_from_slice(&(MAX_ENTRIES + 1).to_le_bytes());
+        assert_eq!(ClientFrame::decode(&many), Err(RejectReason::BadFrame));
     }
 
     proptest! {
@@ -254,6 +330,11 @@ mod tests {
             prop_assert_eq!(ClientFrame::decode(&w.encode()), Ok(w));
             let f = ClientFrame::Fence { tag };
             prop_assert_eq!(ClientFrame::decode(&f.encode()), Ok(f));
+            let count = key % MAX_ENTRIES + 1;
+            let v = ClientFrame::WriteV { count, tag };
+            prop_assert_eq!(ClientFrame::decode(&v.encode()), Ok(v));
+            let e = Entry { key: RegionKey(key), addr, len };
+            prop_assert_eq!(Entry::decode(&e.encode()), Ok(e));
         }
 
         #[test]
@@ -266,6 +347,7 @@ mod tests {
         fn decoders_never_panic(b in proptest::array::uniform32(any::<u8>())) {
             let _ = ClientFrame::decode(&b);
             let _ = Ack::decode(&b);
+            let _ = Entry::decode(&b[..ENTRY_LEN]);
             let mut h = [0u8; HELLO_LEN];
             h.copy_from_slice(&b[..HELLO_LEN]);
             let _ = Hello::decode(&h);
