@@ -1,0 +1,232 @@
+//! Staging vs the per-token head-slice path on the same heterogeneous-TP room.
+//!
+//! Room: Llama-3-8B-shaped KV (32 layers, 8 KV heads × 128 dims bf16 = 256 bytes per head per
+//! token), 1024 tokens, page size 16, fragmented page lists, prefill TP 2 → decode TP 1 (each
+//! prefill rank owns 4 heads and writes them into the decode's 8-head pages).
+//!
+//! - `head_slice`: kvx-core's per-token plan (`plan_kv_head_slice`) for both prefill ranks,
+//!   executed as checked memcpy ops on host memory: 2 × 64 buffers × 1024 tokens = 131 072 ops
+//!   of 1 KiB.
+//! - `staging`: per 256-token chunk and writer, gather the head slices into one block, one
+//!   checked memcpy write into the ring (at the offset the ring allocator gives), scatter into
+//!   the decode's pages: 8 write ops in all.
+//!
+//! Both move the same KV bytes into the decode (throughput is reported per KV byte delivered).
+//! On host memory staging does three copies where the head-slice path does one, so the memcpy
+//! bandwidth favours the head-slice path; the point is the op count, which on a network
+//! transport (one RDMA/TCP write per op) dominates. Ops are executed with memcpy, not sent.
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvx_core::TransferOp;
+use kvx_core::layout::{Buffer, KvLayout};
+use kvx_core::planner::{HeadSliceParams, plan_kv_head_slice};
+use kvx_staging::{HostMemory, SliceSpec, StagedLayout, StagingRing, TpGeometry, gather, scatter};
+
+const LAYERS: u32 = 32;
+const HEADS: u32 = 8;
+const BPH: u64 = 256;
+const PAGE: u64 = 16;
+const TOKENS: u64 = 1024;
+const PAGES: u64 = TOKENS / PAGE;
+const CAP_PAGES: u64 = PAGES + 1;
+const CHUNK_PAGES: u64 = 16;
+const PT: u32 = 2;
+const DT: u32 = 1;
+
+struct Room {
+    geom: TpGeometry,
+    prefill: Vec<HostMemory>,
+    decode: HostMemory,
+    src_pages: Vec<i32>,
+    dst_pages: Vec<i32>,
+}
+
+fn kv_mem(item: u64, fill: Option<u8>) -> HostMemory {
+    let mut m = HostMemory::new();
+    for b in 0..2 * LAYERS {
+        let len = (item * CAP_PAGES) as usize;
+        m.add(match fill {
+            Some(seed) => (0..len)
+                .map(|i| (i as u8).wrapping_mul(31) ^ seed ^ b as u8)
+                .collect(),
+            None => vec![0; len],
+        });
+    }
+    m
+}
+
+fn layout(item: u64) -> KvLayout {
+    let l = LAYERS as u64;
+    let buf = |i: u64| Buffer::new((i + 1) << 40, item, item * CAP_PAGES);
+    KvLayout::mha(
+        (0..l).map(buf).collect(),
+        (l..2 * l).map(buf).collect(),
+        PAGE as u32,
+    )
+}
+
+impl Room {
+    fn new() -> Self {
+        let geom = TpGeometry::new(HEADS, PT, DT).unwrap_or_else(|e| panic!("{e}"));
+        let src_item = PAGE * u64::from(geom.prefill_heads()) * BPH;
+        let dst_item = PAGE * u64::from(geom.decode_heads()) * BPH;
+        Room {
+            geom,
+            prefill: (0..PT)
+                .map(|p| kv_mem(src_item, Some(p as u8 + 1)))
+                .collect(),
+            decode: kv_mem(dst_item, None),
+            // Permutations of 1..=PAGES (strides coprime with PAGES): no two neighbours adjacent.
+            src_pages: (0..PAGES as i32)
+                .map(|i| 1 + (i * 5) % PAGES as i32)
+                .collect(),
+            dst_pages: (0..PAGES as i32)
+                .map(|i| 1 + (i * 7 + 3) % PAGES as i32)
+                .collect(),
+        }
+    }
+
+    fn src_item(&self) -> u64 {
+        PAGE * u64::from(self.geom.prefill_heads()) * BPH
+    }
+
+    fn dst_item(&self) -> u64 {
+        PAGE * u64::from(self.geom.decode_heads()) * BPH
+    }
+
+    /// The head-slice path: plan and execute every op; returns the op count.
+    fn head_slice(&mut self) -> u64 {
+        let (src, dst) = (layout(self.src_item()), layout(self.dst_item()));
+        let mut n = 0;
+        for p in 0..PT {
+            let params = HeadSliceParams {
+                total_kv_heads: HEADS,
+                src_tp_size: PT,
+                src_tp_rank: p,
+                dst_tp_size: DT,
+                dst_tp_rank: 0,
+            };
+            let plan = plan_kv_head_slice(&src, &dst, &params, &self.src_pages, &self.dst_pages)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let ops: Vec<TransferOp> = plan.ops().collect();
+            n += ops.len() as u64;
+            self.decode
+                .apply(&self.prefill[p as usize], &ops)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        n
+    }
+
+    /// The staged path: gather, one write per writer and chunk, scatter; returns the write ops.
+    fn staged(&mut self, st: &mut Staging) -> u64 {
+        let lay = StagedLayout::for_decode(&self.geom, 0, LAYERS, BPH, PAGE);
+        let (src_item, dst_item) = (self.src_item() as usize, self.dst_item() as usize);
+        let mut writes = 0;
+        for start in (0..PAGES).step_by(CHUNK_PAGES as usize) {
+            let n = CHUNK_PAGES.min(PAGES - start);
+            let (s, e) = (start as usize, (start + n) as usize);
+            let (id, pl) = st
+                .ring
+                .assign(lay.chunk_bytes(n))
+                .unwrap_or_else(|e| panic!("{e}"));
+            for p in 0..PT {
+                let w = self.geom.writer_index(p) as usize;
+                let slice = self.geom.slice(p, 0);
+                let spec = SliceSpec {
+                    page_size: PAGE as usize,
+                    bytes_per_head_token: BPH as usize,
+                    item_len: src_item,
+                    head: slice.src_head as usize,
+                    n_heads: slice.n_heads as usize,
+                };
+                let out = st.staging.region_mut(st.staging_base).unwrap_or_default();
+                let len = gather(
+                    &spec,
+                    &self.prefill[p as usize].all(),
+                    &self.src_pages[s..e],
+                    out,
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+                let dst = st.ring_base + pl.offset + lay.writer_offset(w, n);
+                st.ring_mem
+                    .apply(
+                        &st.staging,
+                        &[TransferOp::new(st.staging_base, dst, len as u64)],
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                writes += 1;
+            }
+            let ring = st.ring_mem.region(st.ring_base).unwrap_or_default();
+            let mut kv = self.decode.all_mut();
+            for (w, wr) in lay.writers.iter().enumerate() {
+                let off = (pl.offset + lay.writer_offset(w, n)) as usize;
+                let len = lay.writer_bytes(w, n) as usize;
+                let spec = SliceSpec {
+                    page_size: PAGE as usize,
+                    bytes_per_head_token: BPH as usize,
+                    item_len: dst_item,
+                    head: wr.dst_head as usize,
+                    n_heads: wr.heads as usize,
+                };
+                scatter(&spec, &ring[off..off + len], &mut kv, &self.dst_pages[s..e])
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+            st.ring.free(id);
+        }
+        writes
+    }
+}
+
+struct Staging {
+    ring: StagingRing,
+    ring_mem: HostMemory,
+    ring_base: u64,
+    staging: HostMemory,
+    staging_base: u64,
+}
+
+impl Staging {
+    fn new(geom: &TpGeometry) -> Self {
+        let lay = StagedLayout::for_decode(geom, 0, LAYERS, BPH, PAGE);
+        let chunk = lay.chunk_bytes(CHUNK_PAGES);
+        let mut ring_mem = HostMemory::new();
+        let ring_base = ring_mem.add(vec![0; 2 * chunk as usize]);
+        let mut staging = HostMemory::new();
+        let staging_base = staging.add(vec![0; lay.writer_bytes(0, CHUNK_PAGES) as usize]);
+        Staging {
+            ring: StagingRing::new(2 * chunk),
+            ring_mem,
+            ring_base,
+            staging,
+            staging_base,
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let mut base = Room::new();
+    let mut staged = Room::new();
+    let mut st = Staging::new(&staged.geom);
+    let ops_head_slice = base.head_slice();
+    let ops_staged = staged.staged(&mut st);
+    assert!(
+        base.decode.all() == staged.decode.all(),
+        "staged decode pages differ from the head-slice path"
+    );
+    let kv_bytes = TOKENS * u64::from(HEADS) * BPH * 2 * u64::from(LAYERS);
+    println!(
+        "staging_room: {kv_bytes} KV bytes; write ops: head_slice {ops_head_slice}, staging {ops_staged} ({}x fewer)",
+        ops_head_slice / ops_staged.max(1)
+    );
+
+    let mut g = c.benchmark_group("staging_room_tp2_to_tp1_1k_tokens");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(kv_bytes));
+    g.bench_function("head_slice", |b| b.iter(|| black_box(base.head_slice())));
+    g.bench_function("staging", |b| b.iter(|| black_box(staged.staged(&mut st))));
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
