@@ -204,6 +204,7 @@ async fn verbs_remote_error_fails_only_its_batch() {
     let bad = vec![TransferOp::new(p.src.addr(), extra.addr(), 4096)];
     let e = fresh.write_batch(bad).await.expect_err("stale rkey");
     eprintln!("stale rkey → {e}");
+    assert!(matches!(e, TransportError::RemoteRejected { .. }), "{e}");
     // a later batch on the surviving queue pair succeeds
     let ok = vec![TransferOp::new(p.src.addr(), p.dst.addr(), 65536)];
     fresh

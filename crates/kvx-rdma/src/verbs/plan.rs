@@ -17,7 +17,7 @@
 use kvx_core::TransferOp;
 
 use super::error::VerbsError;
-use super::regions::RegionTable;
+use super::regions::{Region, RegionTable};
 
 /// Device and policy limits the planner respects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,12 +117,22 @@ pub fn plan_writes(
     let limits = limits.sanitized();
     let max_wr = u64::from(limits.max_wr_bytes);
     let mut plan = WritePlan::default();
+    // consecutive ops mostly hit the same regions: try the last ones before searching
+    let mut last_l: Option<Region> = None;
+    let mut last_r: Option<Region> = None;
     for op in ops {
         if op.len == 0 {
             continue;
         }
-        let l = *local.local(op.src, op.len)?;
-        let r = *remote.remote(op.dst, op.len)?;
+        let l = match last_l {
+            Some(l) if l.contains(op.src, op.len) => l,
+            _ => *local.local(op.src, op.len)?,
+        };
+        let r = match last_r {
+            Some(r) if r.contains(op.dst, op.len) => r,
+            _ => *remote.remote(op.dst, op.len)?,
+        };
+        (last_l, last_r) = (Some(l), Some(r));
         let (mut src, mut dst, mut remaining) = (op.src, op.dst, op.len);
         while remaining > 0 {
             // Try to extend the last work request.
@@ -195,7 +205,6 @@ pub fn plan_writes(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::regions::Region;
     use proptest::prelude::*;
 
     fn tables() -> (RegionTable, RegionTable) {

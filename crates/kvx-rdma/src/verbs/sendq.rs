@@ -160,7 +160,8 @@ impl SendQueue {
         if self.broken {
             return CompletionOutcome::Ignored(IgnoreReason::Broken);
         }
-        let Some(pos) = self.outstanding.iter().position(|s| s.wr_id == wr_id) else {
+        // wr_ids are increasing along the queue
+        let Ok(pos) = self.outstanding.binary_search_by_key(&wr_id, |s| s.wr_id) else {
             return CompletionOutcome::Ignored(IgnoreReason::UnknownWrId);
         };
         match status {
