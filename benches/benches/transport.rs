@@ -11,8 +11,9 @@
 //!
 //! Each case runs `KVX_BENCH_REPS` times (default 3), interleaved, and keeps its best run. The
 //! last line is `tcp/socket-loop ratio: X.XX` (bulk, same connection count, same bytes).
-//! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_CONNS` (default: the tcp
-//! default), `KVX_BENCH_TOKENS` (default 4096).
+//! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
+//! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
+//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -138,18 +139,31 @@ fn main() {
     let tokens = env_usize("KVX_BENCH_TOKENS", 4096);
     let cfg = TcpConfig {
         connections: env_usize("KVX_BENCH_CONNS", TcpConfig::default().connections),
+        slice_bytes: env_usize(
+            "KVX_BENCH_SLICE_KIB",
+            TcpConfig::default().slice_bytes >> 10,
+        ) << 10,
+        window_bytes: (env_usize(
+            "KVX_BENCH_WINDOW_KIB",
+            (TcpConfig::default().window_bytes >> 10) as usize,
+        ) << 10) as u64,
+        queue_depth: env_usize("KVX_BENCH_DEPTH", TcpConfig::default().queue_depth),
+        socket_buffer: std::env::var("KVX_BENCH_SOCKBUF_KIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|k| k << 10),
         ..TcpConfig::default()
     };
     let conns = cfg.connections;
     let kv_bytes = 2 * LAYERS * tokens * TOKEN_BYTES;
     let size = bulk.max(kv_bytes);
     println!(
-        "transport bench: bulk {} MiB, KV {} tokens ({} MiB), {} connections, best of {}",
+        "transport bench: bulk {} MiB, KV {} tokens ({} MiB), best of {}; {:?}",
         bulk >> 20,
         tokens,
         kv_bytes >> 20,
-        conns,
-        reps
+        reps,
+        cfg
     );
     let mut src: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
     let mut dst = vec![1u8; size];

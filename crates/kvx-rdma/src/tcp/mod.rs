@@ -48,6 +48,8 @@ pub struct TcpConfig {
     pub max_write_len: u32,
     /// Endpoint to advertise instead of the bound address (e.g. the routable IP).
     pub advertise: Option<String>,
+    /// `SO_SNDBUF`/`SO_RCVBUF` for every connection; `None` keeps the kernel's autotuning.
+    pub socket_buffer: Option<usize>,
 }
 
 impl Default for TcpConfig {
@@ -62,6 +64,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             max_write_len: 16 << 20,
             advertise: None,
+            socket_buffer: None,
         }
     }
 }
@@ -105,6 +108,7 @@ impl TcpTransport {
             endpoint: endpoint.clone(),
             max_write_len: cfg.max_write_len,
             handshake_timeout: cfg.connect_timeout,
+            socket_buffer: cfg.socket_buffer,
         });
         let (stop, stopped) = oneshot::channel();
         let handle = tokio::spawn(server::accept_loop(listener, ctx, stopped));
@@ -202,6 +206,10 @@ async fn connect_one(
         .with_retries(3);
     let _ = sock.set_tcp_keepalive(&ka);
     let _ = sock.set_tcp_user_timeout(Some(cfg.ack_timeout));
+    if let Some(n) = cfg.socket_buffer {
+        let _ = sock.set_send_buffer_size(n);
+        let _ = sock.set_recv_buffer_size(n);
+    }
     let hello = Hello {
         version: VERSION,
         status: 0,

@@ -32,6 +32,7 @@ pub(crate) struct ServerCtx {
     pub endpoint: String,
     pub max_write_len: u32,
     pub handshake_timeout: Duration,
+    pub socket_buffer: Option<usize>,
 }
 
 /// Accepts connections until `stop` fires (or the task is aborted); then closes every inbound
@@ -52,6 +53,11 @@ pub(crate) async fn accept_loop(
             r = listener.accept() => match r {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
+                    if let Some(n) = ctx.socket_buffer {
+                        let sock = socket2::SockRef::from(&stream);
+                        let _ = sock.set_send_buffer_size(n);
+                        let _ = sock.set_recv_buffer_size(n);
+                    }
                     let ctx = ctx.clone();
                     conns.spawn(async move {
                         match serve(stream, &ctx).await {
