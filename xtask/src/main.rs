@@ -13,7 +13,6 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
-#[allow(dead_code)] // Scenario drivers that use every piece land with the kvx binary.
 mod integration;
 mod report;
 mod setup;

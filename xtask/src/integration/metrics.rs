@@ -146,19 +146,6 @@ impl Metrics {
     pub fn get(&self, name: &str) -> f64 {
         self.sum(name, &[]).unwrap_or(0.0)
     }
-
-    /// Whether any sample is named `name`.
-    pub fn has(&self, name: &str) -> bool {
-        self.samples.iter().any(|s| s.name == name)
-    }
-
-    /// Names of every metric, sorted and deduplicated (for messages).
-    pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.samples.iter().map(|s| s.name.clone()).collect();
-        v.sort();
-        v.dedup();
-        v
-    }
 }
 
 /// Fetches `http://addr/metrics` (from the calling thread's network namespace) and parses it.
@@ -213,7 +200,6 @@ kvx_failures_total{cause="peer \"x\" gone"} 2 1700000000000
         assert_eq!(m.get("kvx_bytes_total"), 1.5e9);
         assert_eq!(m.sum("kvx_live_room_entries", &[]), Some(0.0));
         assert_eq!(m.sum("kvx_missing", &[]), None);
-        assert!(m.has("kvx_batch_seconds_bucket"));
         assert_eq!(
             m.sum("kvx_failures_total", &[("cause", "peer \"x\" gone")]),
             Some(2.0)

@@ -12,6 +12,7 @@ pub mod netns;
 pub mod proc;
 pub mod proxy;
 mod scenarios;
+pub mod zmtp;
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -213,14 +214,6 @@ impl Ctx {
     pub fn scrape(&self, i: usize, addr: SocketAddr) -> Result<metrics::Metrics> {
         self.on_host(i, move || metrics::scrape(addr))?
     }
-
-    /// Number of items for this profile: `short` or `long`.
-    pub fn size(&self, short: usize, long: usize) -> usize {
-        match self.profile {
-            Profile::Short => short,
-            Profile::Long => long,
-        }
-    }
 }
 
 /// One finished scenario.
@@ -323,6 +316,13 @@ pub fn run(root: &Path, opts: &Opts) -> Result<()> {
         );
         println!("{}", verdict_line(&o));
         outcomes.push(o);
+    }
+    if proc::live_count() > 0 {
+        eprintln!(
+            "integration: {} process groups outlived their scenario; killing them",
+            proc::live_count()
+        );
+        proc::kill_all();
     }
     // Tear the hosts down now, even if a stuck scenario thread still holds a reference.
     if let Net::Hosts(t) = &*net {

@@ -34,6 +34,8 @@ struct Faults {
     loss: BTreeMap<Ipv4Addr, u32>,
     /// Peers from which every packet is dropped.
     cut: Vec<Ipv4Addr>,
+    /// New TCP connections from this peer are redirected to this local port (a proxy).
+    redirect: BTreeMap<Ipv4Addr, u16>,
 }
 
 /// A set of hosts on one bridge; torn down on drop.
@@ -214,15 +216,21 @@ impl Topology {
     fn apply(&self, i: usize, f: &Faults) -> Result<()> {
         let mut rules = String::new();
         for peer in &f.cut {
-            rules.push_str(&format!("    ip saddr {peer} drop\n"));
+            rules.push_str(&format!("    ip saddr {peer} counter drop\n"));
         }
         for (peer, permille) in &f.loss {
             rules.push_str(&format!(
-                "    ip saddr {peer} numgen random mod 1000 < {permille} drop\n"
+                "    ip saddr {peer} numgen random mod 1000 < {permille} counter drop\n"
+            ));
+        }
+        let mut nat = String::new();
+        for (peer, port) in &f.redirect {
+            nat.push_str(&format!(
+                "    ip saddr {peer} tcp dport != {port} counter redirect to :{port}\n"
             ));
         }
         let script = format!(
-            "table inet kvx {{}}\ndelete table inet kvx\ntable inet kvx {{\n  chain in {{\n    type filter hook input priority 0; policy accept;\n{rules}  }}\n}}\n"
+            "table inet kvx {{}}\ndelete table inet kvx\ntable inet kvx {{\n  chain in {{\n    type filter hook input priority 0; policy accept;\n{rules}  }}\n  chain pre {{\n    type nat hook prerouting priority -100; policy accept;\n{nat}  }}\n}}\n"
         );
         in_ns_cmd(&self.host(i).ns, "nft", &["-f", "-"], Some(&script))?;
         Ok(())
@@ -256,6 +264,39 @@ impl Topology {
             })?;
         }
         Ok(())
+    }
+
+    /// Redirects new TCP connections from host `from` into host `to` to port `port` on `to`
+    /// (where a transparent proxy listens); `None` removes the redirect.
+    pub fn redirect(&self, to: usize, from: usize, port: Option<u16>) -> Result<()> {
+        let peer = self.host(from).ip;
+        self.update(to, |f| match port {
+            Some(p) => {
+                f.redirect.insert(peer, p);
+            }
+            None => {
+                f.redirect.remove(&peer);
+            }
+        })
+    }
+
+    /// Packets dropped so far on host `i` by the loss and cut rules.
+    pub fn dropped(&self, i: usize) -> Result<u64> {
+        let out = in_ns_cmd(
+            &self.host(i).ns,
+            "nft",
+            &["list", "chain", "inet", "kvx", "in"],
+            None,
+        )?;
+        Ok(out
+            .lines()
+            .filter(|l| l.contains("drop"))
+            .filter_map(|l| {
+                let mut w = l.split_whitespace();
+                w.position(|x| x == "packets")?;
+                w.next()?.parse::<u64>().ok()
+            })
+            .sum())
     }
 
     /// Cuts the link between hosts `a` and `b` (every packet dropped both ways, on both hosts).
@@ -300,6 +341,7 @@ impl Topology {
     }
 
     /// The queueing discipline on host `i`'s interface, as `tc qdisc show` prints it.
+    #[cfg(test)]
     pub fn qdisc(&self, i: usize) -> Result<String> {
         in_ns_cmd(
             &self.host(i).ns,
@@ -432,9 +474,54 @@ mod tests {
             }
         }
         let got = counter.join().unwrap();
+        let dropped = t.dropped(1).unwrap();
+        assert_eq!(
+            got + dropped as usize,
+            sent,
+            "every datagram arrived or was counted"
+        );
         // 50 % drop at the receiver's input: about half arrive.
         assert!(got > 600 && got < 1400, "received {got} of {sent}");
         t.set_loss(0, 1, 0.0).unwrap();
+    }
+
+    #[test]
+    fn redirected_connections_pass_a_transparent_delaying_proxy() {
+        use crate::integration::proxy::FaultProxy;
+        let Some(t) = topo("redir", 2) else { return };
+        let dst = SocketAddr::from((t.host(1).ip, 7002));
+        let l = in_ns(&t.host(1).ns.clone(), move || TcpListener::bind(dst))
+            .unwrap()
+            .unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf).unwrap();
+            s.write_all(&buf).unwrap();
+        });
+        let proxy = in_ns(&t.host(1).ns.clone(), || {
+            FaultProxy::start_transparent(TcpListener::bind("0.0.0.0:7099").unwrap()).unwrap()
+        })
+        .unwrap();
+        proxy.set_delay(Duration::from_millis(20));
+        t.redirect(1, 0, Some(7099)).unwrap();
+        let mut c = connect(&t, 0, dst).unwrap();
+        let t0 = std::time::Instant::now();
+        c.write_all(b"ping").unwrap();
+        let mut back = [0u8; 4];
+        c.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"ping");
+        assert!(t0.elapsed() >= Duration::from_millis(40));
+        assert_eq!(proxy.accepted(), 1);
+        // The counter moves just after the write the client already saw.
+        for _ in 0..200 {
+            if proxy.bytes() == 8 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(proxy.bytes(), 8);
+        server.join().unwrap();
     }
 
     #[test]

@@ -153,11 +153,6 @@ impl Proc {
         }
     }
 
-    /// Path of the child's log file.
-    pub fn log_path(&self) -> &Path {
-        &self.log
-    }
-
     /// The child's output so far.
     pub fn log_text(&self) -> String {
         std::fs::read(&self.log)

@@ -2,6 +2,10 @@
 //! target and can, at any time, delay every byte by a fixed time, stall all traffic (connections
 //! stay open, nothing moves), or reset every open connection (the peers see `ECONNRESET`).
 //! This kernel has no `netem`, so delay and stalls between test hosts come from here.
+//!
+//! In transparent mode (no fixed target) each connection goes to the address it was originally
+//! sent to before an nftables `redirect` turned it to the proxy (`SO_ORIGINAL_DST`), so the proxy
+//! can sit on a link between namespaces without any process knowing.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -18,7 +22,7 @@ use anyhow::Result;
 const TICK: Duration = Duration::from_millis(5);
 
 struct Shared {
-    target: SocketAddr,
+    target: Option<SocketAddr>,
     delay_us: AtomicU64,
     stalled: AtomicBool,
     stop: AtomicBool,
@@ -36,6 +40,7 @@ struct Conn {
 
 /// A running proxy; stops (and resets its connections) when dropped.
 pub struct FaultProxy {
+    #[cfg_attr(not(test), allow(dead_code))]
     addr: SocketAddr,
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
@@ -63,7 +68,18 @@ fn set_linger_zero(s: &TcpStream) {
 impl FaultProxy {
     /// Serves `listener` (already bound, in whichever namespace it was made), forwarding to
     /// `target`. Outgoing connections are made from the namespace of the calling thread.
+    #[cfg_attr(not(test), allow(dead_code))] // Scenarios use the transparent mode.
     pub fn start(listener: TcpListener, target: SocketAddr) -> Result<FaultProxy> {
+        Self::serve(listener, Some(target))
+    }
+
+    /// Serves `listener` transparently: every connection goes on to its original destination
+    /// (connections that were not redirected are refused).
+    pub fn start_transparent(listener: TcpListener) -> Result<FaultProxy> {
+        Self::serve(listener, None)
+    }
+
+    fn serve(listener: TcpListener, target: Option<SocketAddr>) -> Result<FaultProxy> {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
@@ -85,6 +101,7 @@ impl FaultProxy {
     }
 
     /// Where clients connect.
+    #[cfg_attr(not(test), allow(dead_code))] // Transparent proxies are reached by redirects.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -144,7 +161,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
             Ok((client, _)) => {
                 sh.accepted.fetch_add(1, Ordering::SeqCst);
                 if let Err(e) = open(client, &sh) {
-                    eprintln!("proxy: connecting to {}: {e}", sh.target);
+                    eprintln!("proxy: forwarding a connection: {e}");
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(TICK),
@@ -156,9 +173,40 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
     }
 }
 
+/// Where a redirected connection was going (`SO_ORIGINAL_DST`).
+fn original_dst(s: &TcpStream) -> std::io::Result<SocketAddr> {
+    // SAFETY: `sockaddr_in` is plain old data, so all-zero is a valid value.
+    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: the fd is open (owned by `s`); `sa` and `len` are live locals whose size `len`
+    // describes, and the kernel writes at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut sa as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ip = std::net::Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
+    let dst = SocketAddr::from((ip, u16::from_be(sa.sin_port)));
+    if dst == s.local_addr()? {
+        return Err(std::io::Error::other("connection was not redirected"));
+    }
+    Ok(dst)
+}
+
 fn open(client: TcpStream, sh: &Arc<Shared>) -> std::io::Result<()> {
     client.set_nonblocking(false)?;
-    let upstream = match TcpStream::connect_timeout(&sh.target, Duration::from_secs(2)) {
+    let target = match sh.target {
+        Some(t) => t,
+        None => original_dst(&client)?,
+    };
+    let upstream = match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
         Ok(u) => u,
         Err(e) => {
             set_linger_zero(&client);
@@ -292,6 +340,13 @@ mod tests {
         c.read_exact(&mut back).unwrap();
         writer.join().unwrap();
         assert!(back == data, "bytes differ after the proxy");
+        // The counter moves just after the write the client already saw.
+        for _ in 0..200 {
+            if p.bytes() == 2 * data.len() as u64 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert_eq!(p.bytes(), 2 * data.len() as u64);
         assert_eq!(p.accepted(), 1);
     }

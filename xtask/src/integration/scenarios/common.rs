@@ -405,6 +405,13 @@ pub fn drained(ctx: &Ctx, p: &Prefill, timeout: Duration) -> Result<f64> {
     Ok(m.get("kvx_room_entries"))
 }
 
+/// How long a decode may take to declare a prefill dead: `max_fail` heartbeats, each one
+/// interval apart and each failing at the latest after sglang's 3 s read timeout, plus one
+/// interval of slack for the rooms to be failed and the process to exit.
+pub fn heartbeat_window(interval: u64, max_fail: u64) -> Duration {
+    Duration::from_secs(max_fail * (interval + 3) + interval)
+}
+
 /// Scaled count for the profile.
 pub fn sized(ctx: &Ctx, short: usize, long: usize) -> usize {
     match ctx.profile {

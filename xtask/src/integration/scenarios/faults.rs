@@ -135,8 +135,7 @@ pub fn kill_prefill(ctx: &mut Ctx) -> Result<Verdict> {
     }
     p.proc.kill9();
     let killed = Instant::now();
-    // The window: max_fail missed beats, each up to one interval late, plus one interval.
-    let window = Duration::from_secs(interval * (max_fail + 1) + 3);
+    let window = common::heartbeat_window(interval, max_fail);
     let (code, s) = d.finish(window + Duration::from_secs(30))?;
     let gone = killed.elapsed();
     if !s.all_terminal() || s.corrupt != 0 || s.failed == 0 {

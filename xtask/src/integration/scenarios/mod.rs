@@ -4,8 +4,8 @@
 mod basic;
 mod common;
 mod faults;
-
-use anyhow::Result;
+mod flood;
+mod net;
 
 use super::{Ctx, Scenario, Verdict};
 
@@ -52,25 +52,25 @@ pub fn all() -> Vec<Scenario> {
             name: "lossy-link",
             about: "5 ms delay, 1 % drop and a bandwidth cap: every room terminal, bytes verified",
             budget_s: (120, 600),
-            run: pending,
+            run: net::lossy_link,
         },
         Scenario {
             name: "partition",
             about: "link cut mid-transfer then restored: in-flight rooms fail in bounds, later rooms succeed",
             budget_s: (120, 600),
-            run: pending,
+            run: net::partition,
         },
         Scenario {
             name: "malformed-flood",
             about: "garbage and truncated frames at every inbox and port while real rooms run",
             budget_s: (60, 300),
-            run: pending,
+            run: flood::malformed_flood,
         },
         Scenario {
             name: "abort-drain",
             about: "ABORT mid-transfer: ACK after drain, no write lands after the ACK",
             budget_s: (60, 300),
-            run: pending,
+            run: flood::abort_drain,
         },
         Scenario {
             name: "fatal-worker",
@@ -94,15 +94,4 @@ pub fn need(ctx: &Ctx, needs: &[&str]) -> Option<Verdict> {
         Err(e) => Some(Verdict::Fail(format!("no kvx binary: {e}"))),
         Ok(k) => k.supports(needs).err().map(Verdict::Skip),
     }
-}
-
-/// A scenario whose driver is not written yet: says what it waits for.
-fn pending(ctx: &mut Ctx) -> Result<Verdict> {
-    if let Some(v) = need(
-        ctx,
-        &["bootstrap", "prefill", "decode", "decode --summary-json"],
-    ) {
-        return Ok(v);
-    }
-    Ok(Verdict::Skip("driver not written yet".into()))
 }

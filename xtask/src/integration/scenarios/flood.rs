@@ -1,0 +1,289 @@
+//! Hostile input and aborts while real rooms run: garbage and truncated ZMQ messages at the
+//! prefill's and the decode's inboxes, junk at the decode's transport port and at the bootstrap
+//! server (`malformed-flood`); rooms that time out mid-transfer and are ABORTed while the decode
+//! reuses their pages (`abort-drain`).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use super::common::{self, DecodeOpts, Model, PrefillOpts};
+use crate::integration::zmtp::Push;
+use crate::integration::{Ctx, Verdict};
+
+/// Removes terminal colour sequences from a log.
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The value after `key=` on a log line (up to the next space).
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let i = line.find(&format!("{key}="))?;
+    line[i + key.len() + 1..].split_whitespace().next()
+}
+
+/// Every payload the flood sends to a ZMQ inbox: wrong frame counts, non-numeric rooms,
+/// truncated registrations, odd index lengths, huge and empty frames.
+fn garbage_messages(seed: u64) -> Vec<Vec<Vec<u8>>> {
+    let mut x = seed | 1;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut out: Vec<Vec<Vec<u8>>> = vec![
+        vec![b"".to_vec()],
+        vec![b"None".to_vec()],
+        vec![b"None".to_vec(), b"10.0.0.1".to_vec(), b"12345".to_vec()],
+        vec![b"None".to_vec(); 12],
+        vec![
+            b"not-a-room".to_vec(),
+            b"x".to_vec(),
+            b"1".to_vec(),
+            b"s".to_vec(),
+        ],
+        vec![b"-5".to_vec(); 7],
+        vec![
+            b"123".to_vec(),
+            b"10.0.0.1".to_vec(),
+            b"1".to_vec(),
+            b"s".to_vec(),
+            vec![1, 2, 3],
+            vec![9; 5],
+        ],
+        vec![b"ABORT".to_vec()],
+        vec![
+            b"99999999999999999999999".to_vec(),
+            b"KVPoll.Success".to_vec(),
+        ],
+        vec![vec![0xFF; 4096], vec![0; 70_000]],
+    ];
+    for _ in 0..200 {
+        let n = (rnd() % 9) as usize;
+        let frames = (0..n)
+            .map(|_| {
+                let len = (rnd() % 48) as usize;
+                (0..len).map(|_| rnd() as u8).collect()
+            })
+            .collect();
+        out.push(frames);
+    }
+    out
+}
+
+/// Sends the garbage to a ZMQ inbox, then broken ZMTP (bad frame header, truncated greeting).
+fn flood_inbox(addr: SocketAddr, seed: u64) -> Result<usize> {
+    let mut sent = 0;
+    let mut push = Push::connect(addr)?;
+    for m in garbage_messages(seed) {
+        let frames: Vec<&[u8]> = m.iter().map(Vec::as_slice).collect();
+        if frames.is_empty() {
+            continue;
+        }
+        push.send(&frames)?;
+        sent += 1;
+    }
+    push.close(Duration::from_millis(300));
+    // A frame header promising more than will ever come, then the close.
+    let mut push = Push::connect(addr)?;
+    push.raw(&[0x02, 0, 0, 0, 0, 0, 1, 0, 0, b'x'])?;
+    push.close(Duration::from_millis(100));
+    // Not ZMTP at all, and a greeting cut short.
+    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xFF, 0, 0, 0, 0][..]] {
+        if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            let _ = s.write_all(junk);
+        }
+    }
+    Ok(sent)
+}
+
+/// Junk at a plain TCP port: random bytes, a truncated header, an immediate close.
+fn flood_tcp(addr: SocketAddr, seed: u64) -> usize {
+    let mut n = 0;
+    for i in 0..20u64 {
+        if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            let len = (seed.wrapping_mul(i + 1) % 200) as usize;
+            let junk: Vec<u8> = (0..len).map(|k| (k as u64 ^ seed ^ i) as u8).collect();
+            let _ = s.write_all(&junk);
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Junk at the bootstrap server: not HTTP, a body cut short, bad JSON for `PUT /route`.
+fn flood_http(addr: SocketAddr) -> usize {
+    let reqs: [&[u8]; 4] = [
+        b"\x00\x01garbage\r\n\r\n",
+        b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"role\":",
+        b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9\r\nConnection: close\r\n\r\n{\"a\": [1,",
+        b"GET /route?engine_rank=abc&target_dp_group=-1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    ];
+    let mut n = 0;
+    for r in reqs {
+        if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            let _ = s.write_all(r);
+            n += 1;
+        }
+    }
+    n
+}
+
+/// `malformed-flood`: garbage at every inbox and port from a third host while real rooms run.
+pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(
+        ctx,
+        &[
+            "bootstrap",
+            "prefill --metrics-port",
+            "decode --summary-json",
+        ],
+    ) {
+        return Ok(v);
+    }
+    let model = Model::new("llama3-8b", 160);
+    let mut boot = common::bootstrap(ctx, 0)?;
+    let popts = PrefillOpts {
+        env: vec![(
+            "FAILPOINTS".into(),
+            "kvx::transfer_worker::batch=sleep(100)".into(),
+        )],
+        ..PrefillOpts::default()
+    };
+    let mut p = common::prefill(ctx, "prefill", 0, boot.addr, &model, 0, &popts)?;
+    let mut o = DecodeOpts::new(common::sized(ctx, 16, 200), 256);
+    o.concurrency = 4;
+    let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
+    if !p.proc.wait_for_log("decode registered", common::READY) {
+        return Ok(Verdict::Fail("the decode never registered".into()));
+    }
+    let plog = strip_ansi(&p.proc.log_text());
+    let inbox: SocketAddr = plog
+        .lines()
+        .find_map(|l| {
+            l.split("inbox tcp://")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .context("prefill inbox endpoint not in its log")?;
+    let reg = plog
+        .lines()
+        .find(|l| l.contains("decode registered"))
+        .context("no registration line")?;
+    let decode_inbox: SocketAddr = field(reg, "endpoint")
+        .and_then(|s| s.parse().ok())
+        .context("decode endpoint")?;
+    let decode_data: SocketAddr = field(reg, "session")
+        .and_then(|s| s.parse().ok())
+        .context("decode session")?;
+    let before = ctx.scrape(0, p.metrics)?;
+    let boot_addr = boot.addr;
+    let sent = ctx.on_host(2, move || -> Result<(usize, usize, usize, usize)> {
+        Ok((
+            flood_inbox(inbox, 1)?,
+            flood_inbox(decode_inbox, 2)?,
+            flood_tcp(decode_data, 3),
+            flood_http(boot_addr),
+        ))
+    })??;
+    let (code, s) = d.finish(Duration::from_secs(180))?;
+    let after = ctx.scrape(0, p.metrics)?;
+    let counted = after.get("kvx_malformed_frames_total")
+        - before.get("kvx_malformed_frames_total")
+        + after.get("kvx_ignored_messages_total")
+        - before.get("kvx_ignored_messages_total");
+    let left = common::drained(ctx, &p, Duration::from_secs(5))?;
+    let alive = p.proc.try_wait().is_none() && boot.proc.try_wait().is_none();
+    let figures = format!(
+        "sent {} garbage messages to the prefill inbox, {} to the decode inbox, {} junk connections to the transport port, {} to the bootstrap server; prefill counted {counted} malformed or ignored; {}; room entries left {left}",
+        sent.0,
+        sent.1,
+        sent.2,
+        sent.3,
+        s.figures()
+    );
+    if code != 0 || s.verified != s.requests || counted < 1.0 || left != 0.0 || !alive {
+        return Ok(Verdict::Fail(format!(
+            "{figures}; exit {code}; prefill and bootstrap alive: {alive}"
+        )));
+    }
+    Ok(Verdict::Pass(figures))
+}
+
+/// `abort-drain`: rooms that outlive the decode's waiting timeout mid-transfer are ABORTed; the
+/// prefill acknowledges each ABORT only once its writes drained, and no late write corrupts the
+/// pages the decode gives to later rooms (every later room verifies).
+pub fn abort_drain(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Some(v) = super::need(
+        ctx,
+        &[
+            "bootstrap",
+            "prefill --max-batch-mib",
+            "decode --waiting-timeout",
+        ],
+    ) {
+        return Ok(v);
+    }
+    // Small pool: aborted rooms' pages are handed to later rooms.
+    let model = Model::new("llama3-8b", 48);
+    let boot = common::bootstrap(ctx, 0)?;
+    let popts = PrefillOpts {
+        // 2 MiB batches that each take at least 60 ms: a 256-token room takes about a second.
+        extra: common::args(&["--max-batch-mib", "2"]),
+        env: vec![(
+            "FAILPOINTS".into(),
+            "kvx::transfer_worker::batch=sleep(60)".into(),
+        )],
+        ..PrefillOpts::default()
+    };
+    let p = common::prefill(ctx, "prefill", 0, boot.addr, &model, 0, &popts)?;
+    let mut o = DecodeOpts::new(common::sized(ctx, 24, 200), 16);
+    o.tokens_max = Some(480);
+    o.concurrency = 3;
+    o.extra = common::args(&["--waiting-timeout", "2"]);
+    let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
+    let (code, s) = d.finish(Duration::from_secs(180))?;
+    let m = ctx.scrape(0, p.metrics)?;
+    let aborts = m.get("kvx_aborts_total");
+    let left = common::drained(ctx, &p, Duration::from_secs(10))?;
+    let timed_out = s
+        .failure_reasons
+        .iter()
+        .filter(|(r, _)| r.contains("timed out"))
+        .map(|(_, n)| *n)
+        .sum::<u64>();
+    let figures = format!(
+        "{}; {timed_out} rooms timed out and were ABORTed, prefill received {aborts} ABORTs; room entries left {left}; decode exit {code}",
+        s.figures()
+    );
+    if timed_out == 0 || aborts < 1.0 {
+        return Ok(Verdict::Fail(format!(
+            "no room was aborted mid-transfer: {figures}"
+        )));
+    }
+    if s.corrupt != 0 || !s.all_terminal() || s.verified == 0 || left != 0.0 {
+        return Ok(Verdict::Fail(figures));
+    }
+    Ok(Verdict::Pass(format!(
+        "{figures} (ACK timing itself is not visible from outside: the decode does not report it)"
+    )))
+}

@@ -1,0 +1,196 @@
+//! Link faults between separate hosts (network namespaces only): a slow, lossy, capped link
+//! (`lossy-link`) and a link cut mid-transfer then restored (`partition`). On a loopback run
+//! these cannot be made without touching the machine's own network, so they say SKIP.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use super::common::{self, DecodeOpts, Model, PrefillOpts};
+use crate::integration::proxy::FaultProxy;
+use crate::integration::{Ctx, Verdict};
+
+/// Port of the transparent delay proxy inside each host.
+const PROXY_PORT: u16 = 20999;
+
+/// Starts a transparent proxy in host `i` delaying every byte by `delay`, and redirects new
+/// connections from host `from` to it.
+fn delay_link(ctx: &Ctx, i: usize, from: usize, delay: Duration) -> Result<FaultProxy> {
+    let proxy = ctx.on_host(i, || -> Result<FaultProxy> {
+        FaultProxy::start_transparent(TcpListener::bind(("0.0.0.0", PROXY_PORT))?)
+    })??;
+    proxy.set_delay(delay);
+    if let Some(t) = ctx.topology() {
+        t.redirect(i, from, Some(PROXY_PORT))?;
+    }
+    Ok(proxy)
+}
+
+/// `lossy-link`: prefill and decode on two hosts joined by a link with 5 ms delay each way (a
+/// proxy), 1 % random drop each way, a 400 Mbit/s cap and a one-second stall once bytes flow:
+/// every room terminal, bytes verified.
+pub fn lossy_link(ctx: &mut Ctx) -> Result<Verdict> {
+    if ctx.topology().is_none() {
+        return Ok(Verdict::Skip(
+            "needs separate hosts (network namespaces); this is a loopback run".into(),
+        ));
+    }
+    if let Some(v) = super::need(
+        ctx,
+        &[
+            "bootstrap",
+            "prefill --metrics-port",
+            "decode --summary-json",
+        ],
+    ) {
+        return Ok(v);
+    }
+    let model = Model::new("llama3-8b", 96);
+    let boot = common::bootstrap(ctx, 0)?;
+    let p = common::prefill(
+        ctx,
+        "prefill",
+        0,
+        boot.addr,
+        &model,
+        0,
+        &PrefillOpts::default(),
+    )?;
+    let (px0, px1) = {
+        let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+        t.set_loss(0, 1, 1.0)?;
+        t.cap_bandwidth(0, Some(400))?;
+        t.cap_bandwidth(1, Some(400))?;
+        let d = Duration::from_millis(5);
+        (delay_link(ctx, 0, 1, d)?, delay_link(ctx, 1, 0, d)?)
+    };
+    let mut o = DecodeOpts::new(common::sized(ctx, 12, 100), 64);
+    o.tokens_max = Some(160);
+    let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
+    // Once bytes flow, stall both directions for a second: connections stay up, rooms go on.
+    let (_, flowing) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
+        m.get("kvx_transfer_batches_total") >= 1.0
+    })?;
+    if flowing.is_some() {
+        px0.set_stalled(true);
+        px1.set_stalled(true);
+        std::thread::sleep(Duration::from_secs(1));
+        px0.set_stalled(false);
+        px1.set_stalled(false);
+    }
+    let (code, s) = d.finish(Duration::from_secs(240))?;
+    ctx.latencies_ms.extend(&s.latencies_ms);
+    let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+    let dropped = t.dropped(0)? + t.dropped(1)?;
+    let proxied = px0.bytes() + px1.bytes();
+    let left = common::drained(ctx, &p, Duration::from_secs(10))?;
+    let figures = format!(
+        "{}; {dropped} packets dropped, {:.1} MiB through the delay proxies ({} connections), 1 s stall; room entries left {left}; decode exit {code}",
+        s.figures(),
+        proxied as f64 / (1u64 << 20) as f64,
+        px0.accepted() + px1.accepted()
+    );
+    if !s.all_terminal() || s.corrupt != 0 || s.verified != s.succeeded || left != 0.0 {
+        return Ok(Verdict::Fail(figures));
+    }
+    if dropped == 0 || px1.bytes() == 0 {
+        return Ok(Verdict::Fail(format!(
+            "the faults were not in the path: {figures}"
+        )));
+    }
+    if s.verified != s.requests {
+        return Ok(Verdict::Fail(format!("{figures}; {}", s.top_reason())));
+    }
+    Ok(Verdict::Pass(figures))
+}
+
+/// `partition`: the link between prefill and decode is cut mid-transfer. The decode fails its
+/// rooms within its heartbeat window, the prefill's in-flight rooms end within its bounds; after
+/// the link is restored, new rooms succeed.
+pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
+    if ctx.topology().is_none() {
+        return Ok(Verdict::Skip(
+            "needs separate hosts (network namespaces); this is a loopback run".into(),
+        ));
+    }
+    if let Some(v) = super::need(
+        ctx,
+        &[
+            "prefill --serve-bootstrap",
+            "prefill --bootstrap-timeout",
+            "decode --heartbeat-interval",
+        ],
+    ) {
+        return Ok(v);
+    }
+    let model = Model::new("llama3-8b", 160);
+    let boot = ctx.addr(0);
+    let popts = PrefillOpts {
+        serve_bootstrap: true,
+        extra: common::args(&["--bootstrap-timeout", "10"]),
+        env: vec![(
+            "FAILPOINTS".into(),
+            "kvx::transfer_worker::batch=sleep(150)".into(),
+        )],
+        ..PrefillOpts::default()
+    };
+    let p = common::prefill(ctx, "prefill", 0, boot, &model, 0, &popts)?;
+    let (interval, max_fail) = (2u64, 2u64);
+    let mut o = DecodeOpts::new(20, 256);
+    o.extra = common::args(&[
+        "--heartbeat-interval",
+        &interval.to_string(),
+        "--heartbeat-max-failure",
+        &max_fail.to_string(),
+    ]);
+    let mut d = common::decode(ctx, "decode-1", 1, boot, &model, &o)?;
+    let (_, flowing) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
+        m.get("kvx_transfer_batches_total") >= 2.0
+    })?;
+    if flowing.is_none() {
+        return Ok(Verdict::Fail("transfers never started".into()));
+    }
+    let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+    t.cut(0, 1)?;
+    let cut = Instant::now();
+    let window = common::heartbeat_window(interval, max_fail);
+    let finished = d.finish(window + Duration::from_secs(20));
+    let decode_took = cut.elapsed();
+    // The prefill's view, while the link is still cut.
+    let (pm, prefill_took) =
+        common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(30), |m| {
+            m.get("kvx_room_entries") == 0.0
+        })?;
+    let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+    t.restore(0, 1)?;
+    let (code, s) = finished?;
+    let prefill_failed = pm
+        .sum("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
+        .unwrap_or(0.0);
+    let mut o2 = DecodeOpts::new(common::sized(ctx, 6, 40), 256);
+    o2.seed = 1234;
+    let mut d2 = common::decode(ctx, "decode-2", 1, boot, &model, &o2)?;
+    let (code2, s2) = d2.finish(Duration::from_secs(120))?;
+    let left = common::drained(ctx, &p, Duration::from_secs(10))?;
+    let figures = format!(
+        "during the cut the decode ended its {} rooms ({} failed, {} verified) {:.1} s after the cut (window {} s); prefill emptied its room table {} after the cut ({prefill_failed} rooms Failed); after restore {}; room entries left {left}",
+        s.requests,
+        s.failed,
+        s.verified,
+        decode_took.as_secs_f64(),
+        window.as_secs(),
+        prefill_took
+            .map(|d| format!("{:.1} s", d.as_secs_f64()))
+            .unwrap_or("not within 30 s".into()),
+        s2.figures()
+    );
+    let _ = code;
+    if !s.all_terminal() || s.corrupt != 0 || s.failed == 0 || decode_took > window {
+        return Ok(Verdict::Fail(figures));
+    }
+    if prefill_took.is_none() || code2 != 0 || s2.verified != s2.requests || left != 0.0 {
+        return Ok(Verdict::Fail(figures));
+    }
+    Ok(Verdict::Pass(figures))
+}
