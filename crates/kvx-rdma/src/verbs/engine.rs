@@ -4,12 +4,14 @@
 //! (the region key is the rkey). A receiver listens on a TCP address for queue-pair handshakes;
 //! a sender [`connect`](Transport::connect)s to it, creates `qps_per_peer` RC queue pairs on a
 //! completion queue of its own, and both sides exchange one [`VerbsHandshake`] each (port
-//! address, queue pairs, regions with rkeys) framed as `u32 length (LE) + payload`. The TCP
-//! connection stays open for the life of the session as its liveness signal.
+//! address, queue pairs, regions with rkeys). The TCP connection stays open for the life of the
+//! session as its liveness signal.
 //!
-//! Seam: the `tcp` backend's hello carries a [`SegmentDescriptor`]; when it grows an extension
-//! field, the [`VerbsHandshake`] payload moves into it and this listener goes away. Until then
-//! the verbs backend runs this small listener of its own with the same framing idea.
+//! The handshake is the `tcp` backend's: its 16-byte hello (`docs/tcp-transport.md`) with bit 0
+//! ([`HELLO_FLAG_VERBS`]) set in the client's flags, and a [`VerbsHandshake`] where the tcp
+//! backend carries its segment descriptor. A tcp listener refuses such a hello (the payload is
+//! not a descriptor) and this listener refuses a plain tcp hello. Seam: serving both backends
+//! on one port needs the tcp server to hand flagged connections to the receiving code here.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,13 +31,11 @@ use super::sched::SchedConfig;
 use super::session::{SessionParts, VerbsSession, to_transport_error};
 use crate::error::TransportError;
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
+use crate::tcp::wire::{HELLO_LEN, HELLO_OK, Hello, VERSION as TCP_VERSION};
 use crate::transport::{BoxFuture, Session, Transport};
 
 /// Most queue pairs a receiver creates for one peer.
 pub const MAX_INBOUND_QPS: usize = 64;
-
-/// Largest handshake payload accepted (a million regions fit).
-pub const MAX_HANDSHAKE_LEN: u32 = 32 << 20;
 
 /// Configuration of a [`VerbsTransport`].
 #[derive(Clone, Debug)]
@@ -146,8 +146,8 @@ impl VerbsTransport {
             .map(|_| RcQueuePair::create(&self.dev, cq.queue(), self.cfg.qp))
             .collect::<Result<Vec<_>, _>>()?;
         let theirs = tokio::time::timeout(timeout, async {
-            send_handshake(&mut ctrl, &self.my_handshake(&qps)).await?;
-            recv_handshake(&mut ctrl).await
+            send_handshake(&mut ctrl, &self.my_handshake(&qps), false).await?;
+            recv_handshake(&mut ctrl, true).await
         })
         .await
         .map_err(|_| VerbsError::Handshake(format!("handshake with {peer} timed out")))??;
@@ -220,35 +220,65 @@ fn handshake_for(dev: &VerbsDevice, qps: &[RcQueuePair]) -> VerbsHandshake {
     }
 }
 
-/// Writes one framed handshake (`u32` LE length, payload).
+/// Flag bit in the client hello's flags field (`status` of [`Hello`]) that marks a verbs
+/// handshake: the payload after the hello is a [`VerbsHandshake`], not a segment descriptor.
+pub const HELLO_FLAG_VERBS: u16 = 0x1;
+
+/// Writes the tcp backend's 16-byte hello followed by the verbs payload. A client sets
+/// [`HELLO_FLAG_VERBS`] in the flags; a server answers with status `HELLO_OK`.
 pub async fn send_handshake<W: AsyncWriteExt + Unpin>(
     w: &mut W,
     h: &VerbsHandshake,
+    as_server: bool,
 ) -> Result<(), VerbsError> {
     let payload = h.encode();
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    let hello = Hello {
+        version: TCP_VERSION,
+        status: if as_server {
+            HELLO_OK
+        } else {
+            HELLO_FLAG_VERBS
+        },
+        param: 0,
+        desc_len: payload.len() as u32,
+    };
+    let mut frame = Vec::with_capacity(HELLO_LEN + payload.len());
+    frame.extend_from_slice(&hello.encode());
     frame.extend_from_slice(&payload);
     w.write_all(&frame)
         .await
         .map_err(|e| VerbsError::Handshake(format!("send: {e}")))
 }
 
-/// Reads one framed handshake; lengths above [`MAX_HANDSHAKE_LEN`] are refused unread.
+/// Reads a hello and its verbs payload. From a client the verbs flag must be set; from a server
+/// the status must be `HELLO_OK`. Payload lengths above the hello's limit are refused unread.
 pub async fn recv_handshake<R: AsyncReadExt + Unpin>(
     r: &mut R,
+    from_server: bool,
 ) -> Result<VerbsHandshake, VerbsError> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len)
+    let mut fixed = [0u8; HELLO_LEN];
+    r.read_exact(&mut fixed)
         .await
         .map_err(|e| VerbsError::Handshake(format!("receive: {e}")))?;
-    let len = u32::from_le_bytes(len);
-    if len > MAX_HANDSHAKE_LEN {
+    let hello = Hello::decode(&fixed).map_err(|e| VerbsError::Handshake(e.to_string()))?;
+    if hello.version < TCP_VERSION {
         return Err(VerbsError::Handshake(format!(
-            "payload of {len} bytes too large"
+            "unsupported hello version {}",
+            hello.version
         )));
     }
-    let mut buf = vec![0u8; len as usize];
+    if from_server && hello.status != HELLO_OK {
+        return Err(VerbsError::Handshake(format!(
+            "peer refused the handshake (status {})",
+            hello.status
+        )));
+    }
+    if !from_server && hello.status & HELLO_FLAG_VERBS == 0 {
+        return Err(VerbsError::Handshake(
+            "hello without the verbs flag (a tcp client?)".into(),
+        ));
+    }
+    let mut buf = vec![0u8; hello.desc_len as usize];
     r.read_exact(&mut buf)
         .await
         .map_err(|e| VerbsError::Handshake(format!("receive: {e}")))?;
@@ -287,9 +317,10 @@ async fn serve_peer(
     mut stop: watch::Receiver<bool>,
 ) {
     let setup = async {
-        let theirs = tokio::time::timeout(cfg.handshake_timeout, recv_handshake(&mut stream))
-            .await
-            .map_err(|_| VerbsError::Handshake("timed out".into()))??;
+        let theirs =
+            tokio::time::timeout(cfg.handshake_timeout, recv_handshake(&mut stream, false))
+                .await
+                .map_err(|_| VerbsError::Handshake("timed out".into()))??;
         // responder queue pairs see no completions for incoming RDMA WRITEs; the queue only
         // exists because a queue pair needs one
         let cq = dev
@@ -315,7 +346,7 @@ async fn serve_peer(
             qp.connect(&dev, *info, port)?;
             qps.push(qp);
         }
-        send_handshake(&mut stream, &handshake_for(&dev, &qps)).await?;
+        send_handshake(&mut stream, &handshake_for(&dev, &qps), true).await?;
         Ok::<_, VerbsError>((qps, cq))
     };
     let held = match setup.await {
@@ -455,32 +486,70 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
-            let got = recv_handshake(&mut s).await.unwrap();
-            send_handshake(&mut s, &got).await.unwrap();
+            let got = recv_handshake(&mut s, false).await.unwrap();
+            send_handshake(&mut s, &got, true).await.unwrap();
             got
         });
         let mut c = TcpStream::connect(addr).await.unwrap();
-        send_handshake(&mut c, &sample()).await.unwrap();
-        assert_eq!(recv_handshake(&mut c).await.unwrap(), sample());
+        send_handshake(&mut c, &sample(), false).await.unwrap();
+        assert_eq!(recv_handshake(&mut c, true).await.unwrap(), sample());
         assert_eq!(server.await.unwrap(), sample());
     }
 
+    fn hello(status: u16, desc_len: u32) -> Vec<u8> {
+        Hello {
+            version: TCP_VERSION,
+            status,
+            param: 0,
+            desc_len,
+        }
+        .encode()
+        .to_vec()
+    }
+
     #[tokio::test]
-    async fn oversized_and_truncated_handshakes_are_refused() {
+    async fn bad_hellos_are_refused() {
+        // oversized payload: refused from the length alone
         let (mut a, mut b) = tokio::io::duplex(1024);
-        a.write_all(&(MAX_HANDSHAKE_LEN + 1).to_le_bytes())
+        a.write_all(&hello(HELLO_FLAG_VERBS, u32::MAX))
             .await
             .unwrap();
         assert!(matches!(
-            recv_handshake(&mut b).await,
+            recv_handshake(&mut b, false).await,
             Err(VerbsError::Handshake(_))
         ));
+        // truncated payload
         let (mut a, mut b) = tokio::io::duplex(1024);
-        a.write_all(&100u32.to_le_bytes()).await.unwrap();
+        a.write_all(&hello(HELLO_FLAG_VERBS, 100)).await.unwrap();
         a.write_all(&[0u8; 10]).await.unwrap();
         drop(a);
         assert!(matches!(
-            recv_handshake(&mut b).await,
+            recv_handshake(&mut b, false).await,
+            Err(VerbsError::Handshake(_))
+        ));
+        // a plain tcp client (no verbs flag)
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let payload = sample().encode();
+        a.write_all(&hello(0, payload.len() as u32)).await.unwrap();
+        a.write_all(&payload).await.unwrap();
+        assert!(matches!(
+            recv_handshake(&mut b, false).await,
+            Err(VerbsError::Handshake(_))
+        ));
+        // a server that refused
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(&hello(1, 0)).await.unwrap();
+        assert!(matches!(
+            recv_handshake(&mut b, true).await,
+            Err(VerbsError::Handshake(_))
+        ));
+        // bad magic
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let mut h = hello(HELLO_FLAG_VERBS, 0);
+        h[0] = b'X';
+        a.write_all(&h).await.unwrap();
+        assert!(matches!(
+            recv_handshake(&mut b, false).await,
             Err(VerbsError::Handshake(_))
         ));
     }
