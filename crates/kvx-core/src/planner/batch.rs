@@ -75,12 +75,11 @@ impl<I: Iterator<Item = TransferOp>> Iterator for Coalesce<I> {
         for op in self.inner.by_ref() {
             let joins = cur.src.checked_add(cur.len) == Some(op.src)
                 && cur.dst.checked_add(cur.len) == Some(op.dst);
-            match cur.len.checked_add(op.len) {
-                Some(len) if joins => cur.len = len,
-                _ => {
-                    self.pending = Some(op);
-                    return Some(cur);
-                }
+            if joins && let Some(len) = cur.len.checked_add(op.len) {
+                cur.len = len;
+            } else {
+                self.pending = Some(op);
+                break;
             }
         }
         Some(cur)
@@ -111,7 +110,8 @@ impl<I: Iterator<Item = TransferOp>> Iterator for Batches<I> {
     type Item = Vec<TransferOp>;
 
     fn next(&mut self) -> Option<Vec<TransferOp>> {
-        let mut batch = Vec::new();
+        let hint = self.inner.size_hint().0.saturating_add(1);
+        let mut batch = Vec::with_capacity(self.limits.max_ops.min(hint));
         let mut bytes = 0u64;
         loop {
             let op = match self.carry.take() {

@@ -173,7 +173,7 @@ pub enum PlanPart {
 }
 
 impl PlanPart {
-    /// Number of ops this part yields.
+    /// Number of ops this part yields before coalescing (an upper bound for head slices).
     pub fn num_ops(&self) -> u64 {
         match self {
             PlanPart::Paged(p) => p.num_ops(),
@@ -192,11 +192,42 @@ impl PlanPart {
     }
 
     /// The ops, in order.
-    pub fn ops(&self) -> Box<dyn Iterator<Item = TransferOp> + '_> {
+    pub fn ops(&self) -> PartOps<'_> {
         match self {
-            PlanPart::Paged(p) => Box::new(p.ops()),
-            PlanPart::HeadSlice(p) => Box::new(p.ops()),
-            PlanPart::Ops(v) => Box::new(v.iter().copied()),
+            PlanPart::Paged(p) => PartOps::Paged(p.ops()),
+            PlanPart::HeadSlice(p) => PartOps::HeadSlice(Box::new(Coalesce::new(p.ops()))),
+            PlanPart::Ops(v) => PartOps::Ops(v.iter()),
+        }
+    }
+}
+
+/// Iterator over one [`PlanPart`]'s ops.
+pub enum PartOps<'a> {
+    /// A paged part.
+    Paged(paged::PagedOps<'a>),
+    /// A head-slice part, coalesced (neighbouring token slices merge when they touch).
+    HeadSlice(Box<dyn Iterator<Item = TransferOp> + 'a>),
+    /// Explicit ops.
+    Ops(std::slice::Iter<'a, TransferOp>),
+}
+
+impl Iterator for PartOps<'_> {
+    type Item = TransferOp;
+
+    #[inline]
+    fn next(&mut self) -> Option<TransferOp> {
+        match self {
+            PartOps::Paged(it) => it.next(),
+            PartOps::HeadSlice(it) => it.next(),
+            PartOps::Ops(it) => it.next().copied(),
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match self {
+            PartOps::Paged(it) => it.size_hint(),
+            PartOps::HeadSlice(it) => it.size_hint(),
+            PartOps::Ops(it) => it.size_hint(),
         }
     }
 }
@@ -241,11 +272,9 @@ impl Plan {
         self.parts.iter().flat_map(PlanPart::ops)
     }
 
-    /// The ops coalesced (adjacent contiguous ops merged) and split into bounded batches.
-    pub fn batches(
-        &self,
-        limits: BatchLimits,
-    ) -> Batches<Coalesce<impl Iterator<Item = TransferOp> + '_>> {
-        Batches::new(Coalesce::new(self.ops()), limits)
+    /// The ops split into bounded batches. Paged parts are already merged into runs and
+    /// head-slice parts come out coalesced, so no op stream is scanned twice.
+    pub fn batches(&self, limits: BatchLimits) -> Batches<impl Iterator<Item = TransferOp> + '_> {
+        Batches::new(self.ops(), limits)
     }
 }

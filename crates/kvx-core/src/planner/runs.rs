@@ -29,32 +29,33 @@ pub fn merge_runs(src: &[i32], dst: &[i32]) -> Result<Vec<Run>, PlanError> {
             dst: dst.len(),
         });
     }
+    let (Some(&s0), Some(&d0)) = (src.first(), dst.first()) else {
+        return Ok(Vec::new());
+    };
     let mut runs: Vec<Run> = Vec::new();
-    let mut cur: Option<Run> = None;
-    for (i, (&s, &d)) in src.iter().zip(dst).enumerate() {
-        let s = nonneg(Side::Src, i, s)?;
-        let d = nonneg(Side::Dst, i, d)?;
-        cur = Some(match cur {
-            Some(mut r) if r.src + r.len == s && r.dst + r.len == d => {
-                r.len += 1;
-                r
-            }
-            Some(r) => {
-                runs.push(r);
-                Run {
-                    src: s,
-                    dst: d,
-                    len: 1,
-                }
-            }
-            None => Run {
+    let mut cur = Run {
+        src: nonneg(Side::Src, 0, s0)?,
+        dst: nonneg(Side::Dst, 0, d0)?,
+        len: 1,
+    };
+    for (i, (&s, &d)) in src.iter().zip(dst).enumerate().skip(1) {
+        if (s | d) < 0 {
+            nonneg(Side::Src, i, s)?;
+            nonneg(Side::Dst, i, d)?;
+        }
+        let (s, d) = (s as u64, d as u64);
+        if s == cur.src + cur.len && d == cur.dst + cur.len {
+            cur.len += 1;
+        } else {
+            runs.push(cur);
+            cur = Run {
                 src: s,
                 dst: d,
                 len: 1,
-            },
-        });
+            };
+        }
     }
-    runs.extend(cur);
+    runs.push(cur);
     Ok(runs)
 }
 
