@@ -1,0 +1,259 @@
+//! Command-line flags of the `kvx` binary; environment variables mirror sglang's knobs.
+//!
+//! Every flag that has an sglang counterpart reads the same environment variable
+//! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::model::ModelPreset;
+
+/// kvx: KV-cache transfer engine for prefill/decode-disaggregated serving (sglang-compatible).
+#[derive(Debug, Parser)]
+#[command(name = "kvx", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one prefill rank (optionally with the bootstrap server) on a synthetic model.
+    Prefill(PrefillArgs),
+    /// Run a decode peer that generates load against a prefill instance and verifies every byte.
+    Decode(DecodeArgs),
+    /// Run the standalone bootstrap server.
+    Bootstrap(BootstrapArgs),
+    /// Bootstrap server, one prefill rank and one decode peer in one process over loopback.
+    Demo(DemoArgs),
+    /// Link test, sending side: write blocks into a `kvx recv` peer and report GB/s.
+    Send(SendArgs),
+    /// Link test, receiving side: accept writes from `kvx send`.
+    Recv(RecvArgs),
+}
+
+/// The synthetic model's shape.
+#[derive(Clone, Debug, Args)]
+pub struct ModelArgs {
+    /// Model shape preset.
+    #[arg(long, value_enum, default_value = "llama3-8b")]
+    pub model: ModelPreset,
+    /// Attention tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub tp_size: u32,
+    /// Attention tensor-parallel rank of this process.
+    #[arg(long, default_value_t = 0)]
+    pub tp_rank: u32,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: u64,
+    /// KV pages in this process's pool (page 0 is reserved).
+    #[arg(long, default_value_t = 640)]
+    pub pool_pages: u64,
+    /// KV cache dtype string advertised to decodes (must match theirs).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
+}
+
+/// Flags of `kvx prefill`.
+#[derive(Clone, Debug, Args)]
+pub struct PrefillArgs {
+    /// Synthetic model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Bootstrap server host to register with (and to bind with --serve-bootstrap).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bootstrap_host: String,
+    /// Bootstrap server port (sglang's --disaggregation-bootstrap-port).
+    #[arg(long, default_value_t = 8998)]
+    pub bootstrap_port: u16,
+    /// Also serve the bootstrap HTTP server (with /metrics) in this process.
+    #[arg(long)]
+    pub serve_bootstrap: bool,
+    /// Host this rank binds its ZMQ inbox on and advertises.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// ZMQ inbox port (0: random).
+    #[arg(long, default_value_t = 0)]
+    pub inbox_port: u16,
+    /// Serve /metrics on this port (when not serving the bootstrap server).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// Transfer queues (= worker threads); chunks of a room stay on one queue, in order.
+    #[arg(long, env = "SGLANG_DISAGGREGATION_QUEUE_SIZE", default_value_t = 4)]
+    pub queues: usize,
+    /// Seconds a room may stay in Bootstrapping before it fails.
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+        default_value_t = 300.0
+    )]
+    pub bootstrap_timeout: f64,
+    /// Most writes per transfer batch.
+    #[arg(long, default_value_t = 1024)]
+    pub max_batch_ops: usize,
+    /// About the most bytes per transfer batch, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub max_batch_mib: u64,
+    /// Pages per chunk the synthetic forward pass hands over.
+    #[arg(long, default_value_t = 32)]
+    pub chunk_pages: usize,
+    /// Fraction of page-list breaks in the prefill's source pages (0: contiguous, 1: scattered).
+    #[arg(long, default_value_t = 0.5)]
+    pub fragmentation: f64,
+    /// Restart a transfer worker that died instead of stopping the process (exit code 70).
+    #[arg(long)]
+    pub restart_workers: bool,
+    /// Data-plane backend.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    pub backend: String,
+}
+
+/// Flags of `kvx decode`.
+#[derive(Clone, Debug, Args)]
+pub struct DecodeArgs {
+    /// Synthetic model (must match the prefill's).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Bootstrap server of the prefill instance, `host:port`.
+    #[arg(long, default_value = "127.0.0.1:8998")]
+    pub bootstrap_addr: String,
+    /// Host this decode binds its ZMQ inbox and data plane on and advertises.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Requests (rooms) to run.
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Prompt tokens per request (the low end when --prompt-tokens-max is set).
+    #[arg(long, default_value_t = 1024)]
+    pub prompt_tokens: u64,
+    /// Draw prompt lengths uniformly from [--prompt-tokens, this].
+    #[arg(long)]
+    pub prompt_tokens_max: Option<u64>,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Fraction of page-list breaks in the destination pages (0: contiguous, 1: scattered).
+    #[arg(long, default_value_t = 0.5)]
+    pub fragmentation: f64,
+    /// Seconds a room may wait for its KV before it fails and an ABORT is sent.
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+        default_value_t = 300.0
+    )]
+    pub waiting_timeout: f64,
+    /// Seconds between /health heartbeats (at least 2, as sglang).
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
+        default_value_t = 5.0
+    )]
+    pub heartbeat_interval: f64,
+    /// Consecutive heartbeat failures before the prefill is declared dead.
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+        default_value_t = 2
+    )]
+    pub heartbeat_max_failure: u32,
+    /// Seconds a ZMQ send toward a prefill may block.
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT",
+        default_value_t = 1.0
+    )]
+    pub zmq_send_timeout: f64,
+    /// Seed for room ids and page placement (random when absent).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Write a JSON summary (counts of succeeded/failed/verified rooms, bytes, latencies) here.
+    #[arg(long)]
+    pub summary_json: Option<PathBuf>,
+    /// Never draw a progress bar (it is drawn only on a terminal anyway).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Flags of `kvx bootstrap`.
+#[derive(Clone, Debug, Args)]
+pub struct BootstrapArgs {
+    /// Host to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind (sglang's default 8998).
+    #[arg(long, default_value_t = 8998)]
+    pub port: u16,
+}
+
+/// Flags of `kvx demo`.
+#[derive(Clone, Debug, Args)]
+pub struct DemoArgs {
+    /// Synthetic model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Rooms to transfer.
+    #[arg(long, default_value_t = 32)]
+    pub rooms: usize,
+    /// Prompt tokens per room.
+    #[arg(long, default_value_t = 1024)]
+    pub prompt_tokens: u64,
+    /// Rooms in flight at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Transfer queues on the prefill.
+    #[arg(long, env = "SGLANG_DISAGGREGATION_QUEUE_SIZE", default_value_t = 4)]
+    pub queues: usize,
+    /// Pages per chunk the synthetic forward pass hands over.
+    #[arg(long, default_value_t = 32)]
+    pub chunk_pages: usize,
+    /// Fraction of page-list breaks on both sides.
+    #[arg(long, default_value_t = 0.5)]
+    pub fragmentation: f64,
+    /// Write the decode's JSON summary here.
+    #[arg(long)]
+    pub summary_json: Option<PathBuf>,
+}
+
+/// Flags of `kvx send`.
+#[derive(Clone, Debug, Args)]
+pub struct SendArgs {
+    /// The `kvx recv` peer, `host:port`.
+    #[arg(long, default_value = "127.0.0.1:5201")]
+    pub to: String,
+    /// Bytes per write (block size).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub size: u64,
+    /// Writes per batch (one completion per batch).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Parallel connections.
+    #[arg(long, default_value_t = 1)]
+    pub connections: usize,
+    /// Total bytes to send, in MiB.
+    #[arg(long, default_value_t = 4096)]
+    pub total_mib: u64,
+    /// Data-plane backend.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    pub backend: String,
+    /// Never draw a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Flags of `kvx recv`.
+#[derive(Clone, Debug, Args)]
+pub struct RecvArgs {
+    /// Address to listen on, `host:port`.
+    #[arg(long, default_value = "127.0.0.1:5201")]
+    pub listen: String,
+    /// Bytes of the receive region (writes land at `offset % region`).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub region: u64,
+    /// Data-plane backend.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    pub backend: String,
+}

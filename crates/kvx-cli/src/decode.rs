@@ -1,0 +1,658 @@
+//! The decode peer: does on the wire what sglang's decode does, generates load and verifies bytes.
+//!
+//! Per prefill instance: the sentinel `GET /route` (15 tries at 1 s), the per-rank route queries
+//! of spec §4.3, one registration per prefill rank (before any metadata, over the same PUSH
+//! socket), then per request: pages allocated (fragmented), metadata to every target rank, and
+//! Success once `required_prefill_response_num` distinct ranks answered 4. A waiting timeout fails
+//! the room and sends `ABORT`; `/health` heartbeats fail every open room after
+//! `max_failure` misses. Its destination memory is registered with a data-plane server whose
+//! `ip:port` is the session id it sends. Every byte of a successful room is checked against the
+//! pattern before its pages are reused.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvx_bootstrap::http::{BootstrapClient, RouteQuery};
+use kvx_core::{
+    DecodeRegistration, Destination, Endpoint, KVPoll, Room, SessionId, TransferRequest,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tokio::sync::{Notify, Semaphore, oneshot};
+
+use crate::dataplane::DataServer;
+use crate::model::{self, KvLayout};
+use crate::pages::PageAllocator;
+use crate::region::Region;
+use crate::wire::{self, DecodeInbound};
+
+/// Settings of one decode peer.
+#[derive(Clone, Debug)]
+pub struct DecodeConfig {
+    /// Bootstrap server host.
+    pub bootstrap_host: String,
+    /// Bootstrap server port.
+    pub bootstrap_port: u16,
+    /// Host to bind and advertise.
+    pub host: String,
+    /// KV layout (must match the prefill's).
+    pub layout: KvLayout,
+    /// Decode attention-TP size.
+    pub tp_size: u32,
+    /// Decode attention-TP rank.
+    pub tp_rank: u32,
+    /// KV cache dtype the prefill must advertise (or none).
+    pub kv_cache_dtype: String,
+    /// Requests to run.
+    pub requests: usize,
+    /// Prompt tokens, drawn uniformly from this range.
+    pub prompt_tokens: (u64, u64),
+    /// Requests in flight.
+    pub concurrency: usize,
+    /// Page-list fragmentation.
+    pub fragmentation: f64,
+    /// Waiting timeout.
+    pub waiting_timeout: Duration,
+    /// Heartbeat period.
+    pub heartbeat_interval: Duration,
+    /// Heartbeat misses before the prefill is dead.
+    pub heartbeat_max_failure: u32,
+    /// ZMQ send timeout.
+    pub zmq_send_timeout: Duration,
+    /// Seed for rooms and pages.
+    pub seed: u64,
+    /// Draw a progress bar.
+    pub progress: bool,
+}
+
+/// What a decode run did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    /// Requests attempted.
+    pub requests: usize,
+    /// Rooms that reached Success.
+    pub succeeded: usize,
+    /// Rooms that failed.
+    pub failed: usize,
+    /// Successful rooms whose every byte matched the pattern.
+    pub verified: usize,
+    /// Successful rooms with at least one wrong byte.
+    pub corrupt: usize,
+    /// KV and aux bytes of verified rooms.
+    pub bytes: u64,
+    /// Wall time of the run in seconds.
+    pub seconds: f64,
+    /// Verified bytes per second, in GB/s (10^9).
+    pub gbps: f64,
+    /// Median room latency (metadata sent → outcome), ms.
+    pub p50_ms: f64,
+    /// 99th percentile room latency, ms.
+    pub p99_ms: f64,
+    /// Failure reasons and how many rooms each.
+    pub failure_reasons: HashMap<String, usize>,
+}
+
+/// One room's outcome as reported by the prefill ranks.
+type Outcome = Result<(), String>;
+
+struct Waiter {
+    ranks: HashSet<u32>,
+    required: usize,
+    tx: Option<oneshot::Sender<Outcome>>,
+}
+
+struct Target {
+    endpoint: Endpoint,
+    dummy: bool,
+}
+
+struct Peer {
+    cfg: DecodeConfig,
+    me: Endpoint,
+    session: SessionId,
+    kv: Arc<Region>,
+    aux: Arc<Region>,
+    pages: Mutex<PageAllocator>,
+    rows: Mutex<Vec<u64>>,
+    freed: Notify,
+    waiters: Mutex<HashMap<Room, Waiter>>,
+    push: Mutex<HashMap<Endpoint, zmq::Socket>>,
+    ctx: zmq::Context,
+    dead: AtomicBool,
+    stop: AtomicBool,
+    bytes: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Peer {
+    fn finish(&self, room: Room, outcome: Outcome) {
+        if let Some(mut w) = lock(&self.waiters).remove(&room)
+            && let Some(tx) = w.tx.take()
+        {
+            let _ = tx.send(outcome);
+        }
+    }
+
+    fn on_message(&self, frames: &[Vec<u8>]) {
+        match wire::parse_decode_inbound(frames) {
+            Ok(DecodeInbound::Status {
+                room,
+                status,
+                rank,
+                reason,
+            }) => match status {
+                KVPoll::Success => {
+                    let done = {
+                        let mut w = lock(&self.waiters);
+                        match w.get_mut(&room) {
+                            Some(x) => {
+                                x.ranks.insert(rank);
+                                x.ranks.len() >= x.required
+                            }
+                            None => false,
+                        }
+                    };
+                    if done {
+                        self.finish(room, Ok(()));
+                    }
+                }
+                KVPoll::Failed => self.finish(
+                    room,
+                    Err(reason.unwrap_or_else(|| {
+                        "Failed to get kvcache from prefill instance, it might be dead".into()
+                    })),
+                ),
+                other => tracing::debug!(%room, %other, "status ignored"),
+            },
+            Ok(DecodeInbound::AbortAck(room)) => tracing::debug!(%room, "abort acknowledged"),
+            Ok(DecodeInbound::Other(kind)) => {
+                metrics::counter!("kvx_decode_ignored_messages_total", "kind" => kind).increment(1)
+            }
+            Err(e) => {
+                metrics::counter!("kvx_decode_malformed_frames_total", "kind" => e.kind())
+                    .increment(1);
+                tracing::warn!(error = %e, "malformed message dropped");
+            }
+        }
+    }
+
+    fn send(&self, ep: &Endpoint, frames: Vec<Vec<u8>>) -> Result<()> {
+        let mut push = lock(&self.push);
+        if !push.contains_key(ep) {
+            let s = self.ctx.socket(zmq::PUSH)?;
+            s.set_linger(0)?;
+            s.set_sndtimeo(self.cfg.zmq_send_timeout.as_millis().min(i32::MAX as u128) as i32)?;
+            if ep.is_ipv6() {
+                s.set_ipv6(true)?;
+            }
+            s.connect(&ep.zmq_addr())?;
+            push.insert(ep.clone(), s);
+        }
+        if let Some(s) = push.get(ep) {
+            s.send_multipart(frames, 0)
+                .with_context(|| format!("sending to prefill {ep}"))?;
+        }
+        Ok(())
+    }
+
+    fn registration(&self, dst_tp_rank: u32) -> DecodeRegistration {
+        let l = &self.cfg.layout;
+        DecodeRegistration {
+            endpoint: self.me.clone(),
+            session: self.session.clone(),
+            kv_ptrs: l.kv_ptrs(self.kv.base()),
+            aux_ptrs: vec![self.aux.base()],
+            state_ptrs: vec![],
+            dst_tp_rank,
+            dst_attn_tp_size: self.cfg.tp_size.max(1),
+            dst_kv_item_len: l.item_len,
+            state_item_lens: vec![],
+            state_dim_per_tensor: vec![],
+            kv_layer_ids: vec![],
+            state_layer_ids: vec![],
+            staging: Default::default(),
+            dcp_size: 1,
+            dcp_rank: 0,
+            staging_slot_layer_ids: None,
+        }
+    }
+
+    /// Checks every byte of a room; returns the bytes checked, or `None` on a mismatch.
+    fn verify(&self, room: Room, pages: &[i32], row: u64) -> Option<u64> {
+        let l = &self.cfg.layout;
+        let mut bytes = 0;
+        for b in 0..l.num_buffers {
+            let base = l.buffer_addr(self.kv.base(), b);
+            for (i, &p) in pages.iter().enumerate() {
+                let data = self
+                    .kv
+                    .read(base + p as u64 * l.item_len, l.item_len)
+                    .ok()?;
+                if !model::check_page(data, room.get(), b as u32, i as u32) {
+                    tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
+                    return None;
+                }
+                bytes += l.item_len;
+            }
+        }
+        let addr = self.aux.base() + row * l.aux_item_len;
+        let ok = self
+            .aux
+            .read(addr, l.aux_item_len)
+            .is_ok_and(|d| model::check_aux(d, room.get()));
+        // sglang zeroes the room slot of a used aux row.
+        let _ = self.aux.write_with(addr, 8, |s| s.fill(0));
+        if !ok {
+            tracing::error!(%room, row, "aux row differs from the pattern");
+            return None;
+        }
+        Some(bytes + l.aux_item_len)
+    }
+}
+
+struct Topology {
+    targets: Vec<Target>,
+    required_dst_info_num: u32,
+    responses: usize,
+    dst_tp_rank: u32,
+}
+
+async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> Result<Topology> {
+    let mut last = None;
+    let mut info = None;
+    for k in 0..tries.max(1) {
+        match client.prefill_info().await {
+            Ok(i) => {
+                info = Some(i);
+                break;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, attempt = k + 1, "prefill info not available yet");
+                last = Some(e);
+                if k + 1 < tries {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+    let Some(info) = info else {
+        bail!(
+            "prefill instance at {} unreachable: {}",
+            client.base_url(),
+            last.map(|e| e.to_string()).unwrap_or_default()
+        );
+    };
+    let cfg = &peer.cfg;
+    if let Some(ps) = info.page_size
+        && ps != cfg.layout.page_size
+    {
+        bail!(
+            "page size mismatch: prefill {ps}, decode {}",
+            cfg.layout.page_size
+        );
+    }
+    if let Some(dt) = &info.kv_cache_dtype
+        && *dt != cfg.kv_cache_dtype
+    {
+        bail!(
+            "kv cache dtype mismatch: prefill {dt}, decode {}",
+            cfg.kv_cache_dtype
+        );
+    }
+    let pt = info.attn_tp_size.max(1);
+    let dt = cfg.tp_size.max(1);
+    let r = cfg.tp_rank % dt;
+    let (ranks, required_dst_info_num, responses): (Vec<(u32, bool)>, u32, usize) = if pt == dt {
+        (vec![(r, false)], 1, 1)
+    } else if dt > pt {
+        (vec![(r / (dt / pt), false)], dt / pt, 1)
+    } else {
+        let k = pt / dt;
+        let ranks = (r * k..(r + 1) * k)
+            .map(|t| (t, cfg.layout.mla && t != r * k))
+            .collect();
+        (ranks, 1, if cfg.layout.mla { 1 } else { k as usize })
+    };
+    let mut targets = Vec::new();
+    for (t, dummy) in ranks {
+        let q = RouteQuery {
+            dp_rank: 0,
+            cp_rank: 0,
+            tp_rank: i64::from(t),
+            pp_rank: 0,
+        };
+        let ri = client.rank_info(q).await.context("per-rank route query")?;
+        let endpoint = Endpoint::new(ri.rank_ip, ri.rank_port);
+        let reg = wire::encode_registration(&peer.registration(r))?;
+        peer.send(&endpoint, reg)?;
+        targets.push(Target { endpoint, dummy });
+    }
+    Ok(Topology {
+        targets,
+        required_dst_info_num,
+        responses,
+        dst_tp_rank: r,
+    })
+}
+
+/// Runs the decode peer to completion and returns its summary.
+pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
+    let layout = cfg.layout.clone();
+    let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
+    let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
+    let data = DataServer::bind(&format!("{}:0", cfg.host), vec![kv.clone(), aux.clone()])
+        .context("binding the data plane")?;
+    let session = SessionId::new(data.local_addr().to_string());
+    let ctx = zmq::Context::new();
+    let inbox = ctx.socket(zmq::PULL)?;
+    inbox.set_rcvhwm(0)?;
+    inbox.set_rcvtimeo(100)?;
+    inbox.bind(&format!("tcp://{}:*", cfg.host))?;
+    let bound = inbox
+        .get_last_endpoint()?
+        .map_err(|_| anyhow::anyhow!("inbox endpoint unreadable"))?;
+    let port: u16 = bound
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .context("inbox port")?;
+    let me = Endpoint::new(cfg.host.clone(), port);
+    let peer = Arc::new(Peer {
+        me,
+        session,
+        pages: Mutex::new(PageAllocator::new(
+            layout.pool_pages,
+            cfg.fragmentation,
+            cfg.seed,
+        )),
+        rows: Mutex::new((0..layout.aux_rows).rev().collect()),
+        freed: Notify::new(),
+        waiters: Mutex::new(HashMap::new()),
+        push: Mutex::new(HashMap::new()),
+        ctx,
+        dead: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        bytes: AtomicU64::new(0),
+        kv,
+        aux,
+        cfg,
+    });
+    let p = peer.clone();
+    std::thread::Builder::new()
+        .name("kvx-decode-inbox".into())
+        .spawn(move || {
+            while !p.stop.load(Ordering::Relaxed) {
+                match inbox.recv_multipart(0) {
+                    Ok(frames) => p.on_message(&frames),
+                    Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "decode inbox receive failed");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        })?;
+
+    let cfg = &peer.cfg;
+    let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
+    let topo = Arc::new(connect_prefill(&peer, &client, 15).await?);
+    let hb = tokio::spawn(heartbeat(peer.clone(), client.clone()));
+
+    let bar = progress_bar(cfg.progress, cfg.requests as u64);
+    let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(cfg.requests);
+    for _ in 0..cfg.requests {
+        let room = loop {
+            if let Some(r) = Room::new(rng.random_range(1..=Room::MAX)) {
+                break r;
+            }
+        };
+        let tokens =
+            rng.random_range(cfg.prompt_tokens.0..=cfg.prompt_tokens.1.max(cfg.prompt_tokens.0));
+        let permit = sem.clone().acquire_owned().await?;
+        let (peer, topo, bar) = (peer.clone(), topo.clone(), bar.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = one_request(&peer, &topo, room, tokens).await;
+            drop(permit);
+            if let Some(b) = &bar {
+                b.inc(1);
+            }
+            r
+        }));
+    }
+    let mut s = Summary {
+        requests: cfg.requests,
+        ..Summary::default()
+    };
+    let mut lat = Vec::new();
+    for t in tasks {
+        let (outcome, latency) = t.await?;
+        lat.push(latency.as_secs_f64() * 1e3);
+        match outcome {
+            RoomResult::Verified => {
+                s.succeeded += 1;
+                s.verified += 1;
+            }
+            RoomResult::Corrupt => {
+                s.succeeded += 1;
+                s.corrupt += 1;
+            }
+            RoomResult::Failed(reason) => {
+                s.failed += 1;
+                *s.failure_reasons.entry(reason).or_default() += 1;
+            }
+        }
+    }
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    hb.abort();
+    peer.stop.store(true, Ordering::Relaxed);
+    s.seconds = t0.elapsed().as_secs_f64();
+    s.bytes = peer.bytes.load(Ordering::Relaxed);
+    s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;
+    lat.sort_by(f64::total_cmp);
+    s.p50_ms = percentile(&lat, 0.50);
+    s.p99_ms = percentile(&lat, 0.99);
+    metrics::counter!("kvx_decode_rooms_total", "result" => "verified")
+        .increment(s.verified as u64);
+    metrics::counter!("kvx_decode_rooms_total", "result" => "failed").increment(s.failed as u64);
+    metrics::counter!("kvx_decode_rooms_total", "result" => "corrupt").increment(s.corrupt as u64);
+    Ok(s)
+}
+
+/// The `q` quantile of sorted values (nearest rank), 0 for none.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+fn progress_bar(enabled: bool, n: u64) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal as _;
+    if !enabled || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let b = indicatif::ProgressBar::new(n);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} rooms {pos}/{len} [{bar:30}] {elapsed_precise} eta {eta}",
+    ) {
+        b.set_style(style.progress_chars("=> "));
+    }
+    Some(b)
+}
+
+enum RoomResult {
+    Verified,
+    Corrupt,
+    Failed(String),
+}
+
+async fn alloc(peer: &Peer, n: usize) -> Option<(Vec<i32>, u64)> {
+    if n >= peer.cfg.layout.pool_pages as usize {
+        return None;
+    }
+    loop {
+        let notified = peer.freed.notified();
+        {
+            let mut pages = lock(&peer.pages);
+            let mut rows = lock(&peer.rows);
+            if pages.available() >= n
+                && let Some(row) = rows.pop()
+            {
+                if let Some(p) = pages.alloc(n) {
+                    return Some((p, row));
+                }
+                rows.push(row);
+            }
+        }
+        notified.await;
+    }
+}
+
+fn release(peer: &Peer, pages: &[i32], row: u64) {
+    lock(&peer.pages).free(pages);
+    lock(&peer.rows).push(row);
+    peer.freed.notify_waiters();
+}
+
+async fn one_request(
+    peer: &Arc<Peer>,
+    topo: &Topology,
+    room: Room,
+    tokens: u64,
+) -> (RoomResult, Duration) {
+    let cfg = &peer.cfg;
+    let n = cfg.layout.pages_for(tokens) as usize;
+    let t0 = Instant::now();
+    let Some((pages, row)) = alloc(peer, n).await else {
+        return (
+            RoomResult::Failed("room larger than the decode pool".into()),
+            t0.elapsed(),
+        );
+    };
+    if peer.dead.load(Ordering::Relaxed) {
+        release(peer, &pages, row);
+        return (
+            RoomResult::Failed("Lost connection with prefill instance".into()),
+            t0.elapsed(),
+        );
+    }
+    let (tx, rx) = oneshot::channel();
+    lock(&peer.waiters).insert(
+        room,
+        Waiter {
+            ranks: HashSet::new(),
+            required: topo.responses,
+            tx: Some(tx),
+        },
+    );
+    let t0 = Instant::now();
+    for t in &topo.targets {
+        let req = TransferRequest {
+            room,
+            endpoint: peer.me.clone(),
+            session: peer.session.clone(),
+            dst: (!t.dummy).then(|| Destination {
+                kv_pages: pages.clone(),
+                aux_index: row as i64,
+                state_indices: vec![],
+            }),
+            required_dst_info_num: topo.required_dst_info_num,
+            decode_prefix_len: Some(0),
+            device_kv_pages: vec![],
+        };
+        let sent = wire::encode_metadata(&req)
+            .map_err(anyhow::Error::from)
+            .and_then(|f| peer.send(&t.endpoint, f));
+        if let Err(e) = sent {
+            peer.finish(room, Err(format!("metadata not sent: {e:#}")));
+        }
+    }
+    let _ = topo.dst_tp_rank;
+    let outcome = match tokio::time::timeout(cfg.waiting_timeout, rx).await {
+        Ok(Ok(o)) => o,
+        Ok(Err(_)) => Err("room dropped".into()),
+        Err(_) => {
+            lock(&peer.waiters).remove(&room);
+            for t in &topo.targets {
+                let _ = peer.send(&t.endpoint, wire::encode_abort(room, &peer.me));
+            }
+            Err(format!(
+                "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
+                cfg.waiting_timeout.as_secs_f64()
+            ))
+        }
+    };
+    let latency = t0.elapsed();
+    match outcome {
+        Ok(()) => {
+            let p = peer.clone();
+            let checked = tokio::task::spawn_blocking(move || {
+                let r = p.verify(room, &pages, row);
+                release(&p, &pages, row);
+                r
+            })
+            .await
+            .ok()
+            .flatten();
+            match checked {
+                Some(bytes) => {
+                    peer.bytes.fetch_add(bytes, Ordering::Relaxed);
+                    (RoomResult::Verified, latency)
+                }
+                None => (RoomResult::Corrupt, latency),
+            }
+        }
+        Err(reason) => {
+            tracing::warn!(%room, %reason, "room failed");
+            // A failed room's pages may still receive late writes: release them after a grace.
+            let p = peer.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                release(&p, &pages, row);
+            });
+            (RoomResult::Failed(reason), latency)
+        }
+    }
+}
+
+async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
+    let period = peer.cfg.heartbeat_interval.max(Duration::from_secs(2));
+    let max = peer.cfg.heartbeat_max_failure.max(1);
+    let mut failures = 0;
+    loop {
+        tokio::time::sleep(period).await;
+        match client.health().await {
+            Ok(()) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, failures, "prefill heartbeat failed");
+                if failures >= max {
+                    peer.dead.store(true, Ordering::Relaxed);
+                    let rooms: Vec<Room> = lock(&peer.waiters).keys().copied().collect();
+                    for r in rooms {
+                        peer.finish(
+                            r,
+                            Err(format!(
+                                "Lost connection with prefill instance (bootstrap_addr: {})",
+                                client.base_url()
+                            )),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

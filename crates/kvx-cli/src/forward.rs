@@ -1,0 +1,111 @@
+//! The synthetic forward pass of `kvx prefill`: stands in for a model that computes KV.
+//!
+//! When a room is ready (every decode sent metadata) it takes source pages from the prefill's pool
+//! (fragmented like a busy server's), writes the deterministic pattern of the room into every
+//! page of every buffer and the aux row, opens the room and hands its chunks to the engine; when
+//! the room is released it returns the pages. Rooms wait when the pool is full.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+
+use kvx_core::{Chunk, PageSlice, Room};
+
+use crate::engine::{EngineEvent, PrefillEngine};
+use crate::model::{self, KvLayout};
+use crate::pages::PageAllocator;
+use crate::region::Region;
+
+/// The pool a synthetic forward pass writes into.
+pub struct SyntheticModel {
+    /// KV layout.
+    pub layout: KvLayout,
+    /// The KV region (all buffers).
+    pub kv: Arc<Region>,
+    /// The aux region.
+    pub aux: Arc<Region>,
+    /// Pages per chunk.
+    pub chunk_pages: usize,
+    /// Page placement.
+    pub pages: PageAllocator,
+}
+
+impl SyntheticModel {
+    /// Writes the pattern of `room` into `pages` (its suffix pages, in order) and aux row `row`.
+    pub fn fill(&self, room: Room, pages: &[i32], row: u64) {
+        let l = &self.layout;
+        for b in 0..l.num_buffers {
+            let base = l.buffer_addr(self.kv.base(), b);
+            for (i, &p) in pages.iter().enumerate() {
+                let addr = base + p as u64 * l.item_len;
+                let _ = self.kv.write_with(addr, l.item_len, |s| {
+                    model::fill_page(s, room.get(), b as u32, i as u32)
+                });
+            }
+        }
+        let addr = self.aux.base() + row * l.aux_item_len;
+        let _ = self
+            .aux
+            .write_with(addr, l.aux_item_len, |s| model::fill_aux(s, room.get()));
+    }
+
+    /// Runs until the engine's event stream ends.
+    pub fn run(mut self, engine: &PrefillEngine, events: Receiver<EngineEvent>) {
+        let mut owned: HashMap<Room, (Vec<i32>, u64)> = HashMap::new();
+        let mut waiting: VecDeque<(Room, usize)> = VecDeque::new();
+        let mut rows: Vec<u64> = (0..self.layout.aux_rows).rev().collect();
+        while let Ok(ev) = events.recv() {
+            match ev {
+                EngineEvent::Ready { room, pages } => waiting.push_back((room, pages)),
+                EngineEvent::Released { room, .. } => {
+                    if let Some((pages, row)) = owned.remove(&room) {
+                        self.pages.free(&pages);
+                        rows.push(row);
+                    }
+                    waiting.retain(|(r, _)| *r != room);
+                }
+            }
+            while let Some(&(room, n)) = waiting.front() {
+                if n >= self.layout.pool_pages as usize {
+                    waiting.pop_front();
+                    tracing::warn!(%room, pages = n, "room larger than the whole pool, dropped");
+                    continue;
+                }
+                let Some(row) = rows.last().copied() else {
+                    break;
+                };
+                let Some(pages) = self.pages.alloc(n) else {
+                    break;
+                };
+                rows.pop();
+                waiting.pop_front();
+                self.fill(room, &pages, row);
+                if !engine.attach_room(room, row as i64) {
+                    // failed or gone meanwhile: nothing will be sent
+                    self.pages.free(&pages);
+                    rows.push(row);
+                    continue;
+                }
+                owned.insert(room, (pages.clone(), row));
+                let step = self.chunk_pages.max(1);
+                let mut start = 0;
+                loop {
+                    let end = (start + step).min(n);
+                    let mut chunk =
+                        Chunk::new(PageSlice { start, end }, pages[start..end].to_vec());
+                    if end == n {
+                        chunk = chunk.last();
+                    }
+                    if let Err(e) = engine.send(room, chunk) {
+                        tracing::debug!(%room, error = %e, "chunk not queued");
+                        break;
+                    }
+                    if end == n {
+                        break;
+                    }
+                    start = end;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! # kvx-cli
+//!
+//! The runnable side of kvx: the tokio/thread drivers that wire `kvx-core`, `kvx-bootstrap` and
+//! the data plane into a running prefill sender ([`engine`], embeddable as a library) and a
+//! decode peer ([`decode`]), worker supervision with sglang's dead-thread message made true
+//! ([`worker`], [`fault`]), metrics export ([`telemetry`]) and the `kvx` binary's commands.
+//!
+//! ```
+//! use kvx_cli::model::{self, ModelPreset};
+//!
+//! // Llama-3-8B at TP1 carries 128 KiB of KV per token.
+//! let layout = ModelPreset::Llama3_8b.layout(1, 16, 64);
+//! assert_eq!(layout.bytes_per_page(), 16 * 128 * 1024);
+//!
+//! // The decode checks every byte against the pattern the prefill wrote.
+//! let mut page = vec![0u8; 4096];
+//! model::fill_page(&mut page, 42, 0, 3);
+//! assert!(model::check_page(&page, 42, 0, 3));
+//! assert!(!model::check_page(&page, 43, 0, 3));
+//! ```
+
+pub mod bootstrap_cmd;
+pub mod config;
+pub mod dataplane;
+pub mod decode;
+pub mod demo;
+pub mod engine;
+pub mod fault;
+pub mod forward;
+pub mod link;
+pub mod model;
+pub mod pages;
+pub mod plan;
+pub mod prefill_cmd;
+pub mod region;
+pub mod rooms;
+pub mod telemetry;
+pub mod wire;
+pub mod worker;
