@@ -219,7 +219,22 @@ async fn verbs_peer_gone_mid_batch_fails_and_does_not_hang() {
     let Some(dev) = device_or_skip("verbs_peer_gone_mid_batch_fails_and_does_not_hang") else {
         return;
     };
-    let p = pair(dev, 2).await;
+    let p = pair(dev.clone(), 2).await;
+    // a second receiver the same sender writes to: it must not be affected
+    let other = VerbsTransport::open(VerbsConfig {
+        device: dev,
+        listen: Some("127.0.0.1:0".into()),
+        ..VerbsConfig::default()
+    })
+    .await
+    .expect("open second receiver");
+    let other_dst = Buf::new(1 << 20, |_| 0);
+    // SAFETY: other_dst outlives `other` (declared after it, dropped before it).
+    unsafe { other.register(other_dst.addr(), 1 << 20) }.expect("register");
+    let other_session =
+        p.tx.connect(&other.endpoint())
+            .await
+            .expect("connect other");
     let ops = vec![TransferOp::new(p.src.addr(), p.dst.addr(), LEN as u64)];
     let fut = p.session.write_batch(ops);
     drop(p.rx); // the receiver closes its control connections and queue pairs
@@ -247,4 +262,14 @@ async fn verbs_peer_gone_mid_batch_fails_and_does_not_hang() {
         .write_batch(vec![TransferOp::new(p.src.addr(), p.dst.addr(), 8)])
         .await;
     assert!(later.is_err());
+    // the other peer is unaffected
+    other_session
+        .write_batch(vec![TransferOp::new(
+            p.src.addr(),
+            other_dst.addr(),
+            1 << 20,
+        )])
+        .await
+        .expect("other peer still served");
+    assert_eq!(&other_dst.mem[..], &p.src.mem[..1 << 20]);
 }

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::cq::{EventCq, Wc};
 use super::device::VerbsDevice;
-use super::error::VerbsError;
+use super::error::{VerbsError, WC_SUCCESS, WC_WR_FLUSH_ERR, wc_status_name};
 use super::plan::{Limits, WritePlan, plan_writes};
 use super::post::{decode_wr_id, post_chain};
 use super::qp::RcQueuePair;
@@ -238,15 +238,22 @@ impl SessionTask {
                         tracing::error!(peer = %self.peer, error = %e, "verbs completion queue failed");
                         break e;
                     }
+                    let before = self.sched.stats();
                     for wc in wcs.drain(..) {
                         let (slot, seq) = decode_wr_id(wc.wr_id);
-                        if wc.status != 0 {
+                        if wc.status != WC_SUCCESS && wc.status != WC_WR_FLUSH_ERR {
                             tracing::warn!(peer = %self.peer, slot, status = wc.status,
+                                status_name = wc_status_name(wc.status),
                                 vendor_err = wc.vendor_err, "verbs work completion error");
                         }
                         let done = self.sched.on_completion(slot as usize, seq, wc.status, wc.vendor_err);
                         self.deliver(done);
                     }
+                    let after = self.sched.stats();
+                    metrics::counter!("kvx_verbs_completions_ignored_total")
+                        .increment(after.ignored - before.ignored);
+                    metrics::counter!("kvx_verbs_wrs_requeued_total")
+                        .increment(after.requeued - before.requeued);
                 },
                 n = self.ctrl.read(&mut ctrl_buf) => {
                     if matches!(n, Ok(0) | Err(_)) {
