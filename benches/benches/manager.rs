@@ -51,6 +51,71 @@ fn pages(room: u64) -> (Vec<i32>, Vec<i32>) {
     (src, dst)
 }
 
+/// Drives one room from sender creation to Success with `pages` pages in one chunk plus an
+/// empty last chunk; returns the number of batches posted.
+fn lifecycle(
+    mgr: &mut PrefillManager,
+    now: Instant,
+    reg: &DecodeRegistration,
+    n: u64,
+    pages_n: usize,
+    out: &mut Vec<PrefillAction>,
+) -> usize {
+    let room = Room::new(n).unwrap();
+    let (mut sp, mut dp) = pages(n);
+    sp.truncate(pages_n);
+    dp.truncate(pages_n);
+    let mut ids = Vec::new();
+    let mut feed = |e: PrefillEvent, out: &mut Vec<PrefillAction>| {
+        out.clear();
+        mgr.handle(now, e, out).unwrap();
+        for a in out.iter() {
+            if let PrefillAction::PostBatch { batch_id, .. } = a {
+                ids.push(*batch_id);
+            }
+        }
+    };
+    feed(PrefillEvent::SenderCreated { room }, out);
+    let aux_row = n % 1024;
+    let init = PrefillEvent::SenderInit {
+        room,
+        num_pages: pages_n,
+        aux_row,
+    };
+    feed(init, out);
+    let meta = TransferRequest {
+        room,
+        endpoint: reg.endpoint.clone(),
+        session: reg.session.clone(),
+        dst: Some(Destination {
+            kv_pages: dp,
+            aux_index: 5,
+            state_indices: Vec::new(),
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+        device_kv_pages: Vec::new(),
+    };
+    feed(PrefillEvent::Metadata(meta), out);
+    if pages_n > 0 {
+        let chunk = Chunk::new(PageSlice::new(0, pages_n).unwrap(), sp);
+        feed(PrefillEvent::Chunk { room, chunk }, out);
+    }
+    let last = Chunk::empty_last(pages_n);
+    feed(PrefillEvent::Chunk { room, chunk: last }, out);
+    let posted = ids.len();
+    for batch_id in ids {
+        out.clear();
+        let done = PrefillEvent::BatchDone {
+            batch_id,
+            result: Ok(()),
+        };
+        mgr.handle(now, done, out).unwrap();
+    }
+    assert!(matches!(out.last(), Some(PrefillAction::Concluded { .. })));
+    posted
+}
+
 fn bench(c: &mut Criterion) {
     let aux_ptrs: Vec<u64> = (0..10).map(|i| 0x2000_0000_0000 + (i << 24)).collect();
     let local = LocalMemory {
@@ -71,64 +136,19 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(7));
     g.bench_function("room_lifecycle", |b| {
         b.iter(|| {
-            let room = Room::new(next).unwrap();
             next += 1;
-            let (sp, dp) = pages(next);
-            let mut ids = Vec::new();
-            let mut feed = |e: PrefillEvent, out: &mut Vec<PrefillAction>| {
-                out.clear();
-                mgr.handle(now, e, out).unwrap();
-                for a in out.iter() {
-                    if let PrefillAction::PostBatch { batch_id, .. } = a {
-                        ids.push(*batch_id);
-                    }
-                }
-            };
-            feed(PrefillEvent::SenderCreated { room }, &mut out);
-            feed(
-                PrefillEvent::SenderInit {
-                    room,
-                    num_pages: PAGES,
-                    aux_row: next % 1024,
-                },
-                &mut out,
-            );
-            feed(
-                PrefillEvent::Metadata(TransferRequest {
-                    room,
-                    endpoint: reg.endpoint.clone(),
-                    session: reg.session.clone(),
-                    dst: Some(Destination {
-                        kv_pages: dp,
-                        aux_index: 5,
-                        state_indices: Vec::new(),
-                    }),
-                    required_dst_info_num: 1,
-                    decode_prefix_len: Some(0),
-                    device_kv_pages: Vec::new(),
-                }),
-                &mut out,
-            );
-            let chunk = Chunk::new(PageSlice::new(0, PAGES).unwrap(), sp);
-            feed(PrefillEvent::Chunk { room, chunk }, &mut out);
-            feed(
-                PrefillEvent::Chunk {
-                    room,
-                    chunk: Chunk::empty_last(PAGES),
-                },
-                &mut out,
-            );
-            for batch_id in ids {
-                out.clear();
-                let done = PrefillEvent::BatchDone {
-                    batch_id,
-                    result: Ok(()),
-                };
-                mgr.handle(now, done, &mut out).unwrap();
-            }
-            black_box(out.len())
+            black_box(lifecycle(&mut mgr, now, &reg, next, PAGES, &mut out))
         })
     });
+    // Events per empty room: created, init, metadata, last chunk, 1 completion.
+    g.throughput(Throughput::Elements(5));
+    g.bench_function("empty_room_lifecycle", |b| {
+        b.iter(|| {
+            next += 1;
+            black_box(lifecycle(&mut mgr, now, &reg, next, 0, &mut out))
+        })
+    });
+    g.throughput(Throughput::Elements(1));
     g.bench_function("baseline_plan_only", |b| {
         let dst = layout(0x5000_0000_0000);
         b.iter(|| {
