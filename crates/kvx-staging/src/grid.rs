@@ -132,6 +132,17 @@ impl RoomGrid {
     pub fn chunk_start(&self, idx: u64) -> Option<u64> {
         self.grid.chunk_range(idx, self.total_pages).map(|(s, _)| s)
     }
+
+    /// Where a send may end when the first `done` suffix pages are finished: a non-last send
+    /// stops at the last grid boundary (the rest rides with the next send, as sglang's prefill
+    /// aligns staged sends); the last send goes to the end of the room.
+    pub fn send_end(&self, done: u64, is_last: bool) -> u64 {
+        if is_last {
+            return self.total_pages;
+        }
+        let full = self.grid.full_chunk_pages();
+        (done.min(self.total_pages) / full) * full
+    }
 }
 
 #[cfg(test)]
@@ -156,6 +167,10 @@ mod tests {
         assert_eq!(rg.chunk_pages(3), Some(4));
         assert_eq!(rg.chunk_pages(4), None);
         assert_eq!(RoomGrid::new(10, 11, 1, None), None);
+        assert_eq!(rg.send_end(7, false), 4);
+        assert_eq!(rg.send_end(3, false), 0);
+        assert_eq!(rg.send_end(99, false), 16);
+        assert_eq!(rg.send_end(7, true), 16);
     }
 
     #[test]

@@ -238,3 +238,110 @@ impl PrefillStaging {
         self.waiting_rsp.len() + self.waiting_wm.values().map(BTreeSet::len).sum::<usize>()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grid::ChunkGrid;
+
+    fn rsp(room: Room, chunk_idx: u32, placement: RspPlacement, s: &SessionId) -> StagingRsp {
+        StagingRsp {
+            room,
+            chunk_idx,
+            placement,
+            session: s.clone(),
+        }
+    }
+
+    fn at(offset: u64, round: u64, end: u64) -> RspPlacement {
+        RspPlacement::At(Placement { offset, round, end })
+    }
+
+    #[test]
+    fn parks_and_wakes_without_polling() {
+        let s = SessionId::new("d:1");
+        let room = Room::new(5).unwrap();
+        let grid = RoomGrid::from_pages(ChunkGrid::with_pages(4), 10);
+        let mut p = PrefillStaging::new();
+        let reqs = p.prefetch(room, &s, &grid, Some(0)).unwrap();
+        assert_eq!(
+            reqs.iter().map(|r| r.chunk_pages).collect::<Vec<_>>(),
+            vec![4, 4, 2]
+        );
+        assert!(p.prefetch(room, &s, &grid, None).unwrap().is_empty());
+        p.prefetch_failed(&reqs[2].key());
+        assert_eq!(p.prefetch(room, &s, &grid, None).unwrap().len(), 1);
+
+        // Polled before its placement arrived: woken by the response.
+        let k0 = reqs[0].key();
+        assert_eq!(p.poll(&k0), Readiness::Wait);
+        let w = p.on_staging_rsp(&rsp(room, 0, at(0, 0, 40), &s)).unwrap();
+        assert_eq!(w.len(), 1);
+        assert_eq!(
+            w[0].readiness,
+            Readiness::Ready(Placement {
+                offset: 0,
+                round: 0,
+                end: 40
+            })
+        );
+        // Duplicate response (another writer's request): nothing; conflicting: an error.
+        assert!(
+            p.on_staging_rsp(&rsp(room, 0, at(0, 0, 40), &s))
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            p.on_staging_rsp(&rsp(room, 0, at(8, 0, 48), &s)),
+            Err(PrefillError::Conflict(k0))
+        );
+
+        // Round 1 chunks wait for the watermark they need, and wake in order.
+        p.on_staging_rsp(&rsp(room, 1, at(0, 1, 40), &s)).unwrap();
+        p.on_staging_rsp(&rsp(room, 2, at(40, 1, 60), &s)).unwrap();
+        assert_eq!(p.poll(&reqs[2].key()), Readiness::Wait);
+        assert_eq!(p.poll(&reqs[1].key()), Readiness::Wait);
+        assert_eq!(p.waiting_count(), 2);
+        let wm = |round, tail| WatermarkMsg {
+            watermark: Watermark { round, tail },
+            session: s.clone(),
+        };
+        assert!(p.on_watermark(&wm(0, 39)).is_empty());
+        let w = p.on_watermark(&wm(0, 50));
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].key.chunk_idx, 1);
+        // An older watermark never lowers the merged one.
+        assert!(p.on_watermark(&wm(0, 10)).is_empty());
+        assert_eq!(p.watermark(&s), Watermark { round: 0, tail: 50 });
+        let w = p.on_watermark(&wm(1, 0));
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].key.chunk_idx, 2);
+        assert_eq!(p.waiting_count(), 0);
+
+        p.conclude_room(room);
+        assert!(p.is_idle());
+        assert_eq!(
+            p.on_staging_rsp(&rsp(room, 0, at(0, 0, 40), &s)),
+            Err(PrefillError::UnknownRoom(room))
+        );
+    }
+
+    #[test]
+    fn oversized_wakes_and_conclude_drops_parked() {
+        let s = SessionId::new("d:1");
+        let room = Room::new(6).unwrap();
+        let grid = RoomGrid::from_pages(ChunkGrid::with_pages(4), 8);
+        let mut p = PrefillStaging::new();
+        let reqs = p.prefetch(room, &s, &grid, None).unwrap();
+        assert_eq!(p.poll(&reqs[0].key()), Readiness::Wait);
+        let w = p
+            .on_staging_rsp(&rsp(room, 0, RspPlacement::Oversized, &s))
+            .unwrap();
+        assert_eq!(w[0].readiness, Readiness::Oversized);
+        p.on_staging_rsp(&rsp(room, 1, at(0, 3, 10), &s)).unwrap();
+        assert_eq!(p.poll(&reqs[1].key()), Readiness::Wait);
+        p.conclude_room(room);
+        assert!(p.is_idle());
+        assert_eq!(p.waiting_count(), 0);
+    }
+}
