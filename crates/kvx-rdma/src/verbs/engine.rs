@@ -25,6 +25,7 @@ use super::cq::EventCq;
 use super::device::{DeviceConfig, VerbsDevice};
 use super::error::VerbsError;
 use super::handshake::{MAX_QPS, VerbsHandshake};
+use super::path::DevicePath;
 use super::plan::Limits;
 use super::qp::{QpConfig, RcQueuePair, RemotePort};
 use super::sched::SchedConfig;
@@ -195,17 +196,18 @@ impl VerbsTransport {
                 .collect(),
         };
         tracing::info!(%peer, qps = qps.len(), ?limits, "verbs session connected");
-        Ok(VerbsSession::start(SessionParts {
-            peer: peer.to_owned(),
-            dev: self.dev.clone(),
-            qps,
-            cq,
-            ctrl,
-            remote: theirs.regions,
-            remote_desc,
-            limits,
-            sched,
-        }))
+        Ok(VerbsSession::start(
+            DevicePath { qps, cq },
+            SessionParts {
+                peer: peer.to_owned(),
+                local: self.dev.clone(),
+                ctrl,
+                remote: theirs.regions,
+                remote_desc,
+                limits,
+                sched,
+            },
+        ))
     }
 }
 

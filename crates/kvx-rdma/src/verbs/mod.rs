@@ -70,6 +70,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod handshake;
+pub mod path;
 pub mod plan;
 pub mod post;
 pub mod qp;

@@ -18,12 +18,11 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
-use super::cq::{EventCq, Wc};
-use super::device::VerbsDevice;
+use super::cq::Wc;
 use super::error::{VerbsError, WC_SUCCESS, WC_WR_FLUSH_ERR, wc_status_name};
+use super::path::{LocalKeys, SendPath};
 use super::plan::{Limits, WritePlan, plan_writes};
-use super::post::{decode_wr_id, post_chain};
-use super::qp::RcQueuePair;
+use super::post::decode_wr_id;
 use super::regions::RegionTable;
 use super::sched::{BatchResult, PeerScheduler, SchedConfig};
 use super::sendq::BatchId;
@@ -95,23 +94,28 @@ enum Cmd {
     },
 }
 
-/// What a session task needs to run.
-pub(crate) struct SessionParts {
+/// What a session needs besides its [`SendPath`].
+pub struct SessionParts {
+    /// The peer as named in `connect`.
     pub peer: String,
-    pub dev: Arc<VerbsDevice>,
-    pub qps: Vec<RcQueuePair>,
-    pub cq: EventCq,
+    /// Where source ranges are resolved.
+    pub local: Arc<dyn LocalKeys>,
+    /// The handshake connection, kept open as the liveness signal.
     pub ctrl: TcpStream,
+    /// The peer's regions with their rkeys.
     pub remote: RegionTable,
+    /// The same regions as a descriptor.
     pub remote_desc: SegmentDescriptor,
+    /// Planner limits.
     pub limits: Limits,
+    /// Scheduler configuration.
     pub sched: SchedConfig,
 }
 
 /// The [`Session`] handle of one peer.
 pub struct VerbsSession {
     peer: String,
-    dev: Arc<VerbsDevice>,
+    local: Arc<dyn LocalKeys>,
     remote: RegionTable,
     remote_desc: SegmentDescriptor,
     limits: Limits,
@@ -129,15 +133,14 @@ impl std::fmt::Debug for VerbsSession {
 }
 
 impl VerbsSession {
-    /// Starts the session task (inside a tokio runtime) and returns its handle.
-    pub(crate) fn start(parts: SessionParts) -> Arc<Self> {
+    /// Starts the session task over `path` (inside a tokio runtime) and returns its handle.
+    pub fn start<P: SendPath>(path: P, parts: SessionParts) -> Arc<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let alive = Arc::new(AtomicBool::new(true));
-        let qpns = parts.qps.iter().map(|q| q.info().qpn).collect();
+        let qpns = path.qpns();
         let task = SessionTask {
             peer: parts.peer.clone(),
-            qps: parts.qps,
-            cq: parts.cq,
+            path,
             ctrl: parts.ctrl,
             sched: PeerScheduler::new(parts.sched, qpns),
             batches: HashMap::new(),
@@ -147,7 +150,7 @@ impl VerbsSession {
         tokio::spawn(task.run(rx));
         Arc::new(VerbsSession {
             peer: parts.peer,
-            dev: parts.dev,
+            local: parts.local,
             remote: parts.remote,
             remote_desc: parts.remote_desc,
             limits: parts.limits,
@@ -176,7 +179,7 @@ impl Session for VerbsSession {
         ops: Vec<TransferOp>,
     ) -> BoxFuture<'static, Result<BatchReport, TransportError>> {
         let peer = self.peer.clone();
-        let planned = plan_writes(&ops, &self.dev.local_regions(), &self.remote, self.limits);
+        let planned = plan_writes(&ops, &self.local.local_regions(), &self.remote, self.limits);
         let n_ops = ops.len() as u64;
         let sent = planned.map(|plan| {
             let (reply, rx) = oneshot::channel();
@@ -212,10 +215,9 @@ struct OpenBatch {
     reply: Reply,
 }
 
-struct SessionTask {
+struct SessionTask<P> {
     peer: String,
-    qps: Vec<RcQueuePair>,
-    cq: EventCq,
+    path: P,
     ctrl: TcpStream,
     sched: PeerScheduler,
     batches: HashMap<BatchId, OpenBatch>,
@@ -223,7 +225,7 @@ struct SessionTask {
     alive: Arc<AtomicBool>,
 }
 
-impl SessionTask {
+impl<P: SendPath> SessionTask<P> {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
         let mut wcs: Vec<Wc> = Vec::new();
         let mut ctrl_buf = [0u8; 64];
@@ -233,7 +235,7 @@ impl SessionTask {
                     None => break VerbsError::Closed,
                     Some(Cmd::Submit { plan, ops, reply }) => self.submit(plan, ops, reply),
                 },
-                r = self.cq.next_batch(&mut wcs) => {
+                r = self.path.next_completions(&mut wcs) => {
                     if let Err(e) = r {
                         tracing::error!(peer = %self.peer, error = %e, "verbs completion queue failed");
                         break e;
@@ -284,17 +286,23 @@ impl SessionTask {
     }
 
     fn post_ready(&mut self) {
-        for post in self.sched.schedule() {
+        // a failed post re-queues its work: schedule again until nothing more can go out
+        loop {
+            let posts = self.sched.schedule();
+            if posts.is_empty() {
+                return;
+            }
+            self.post_all(posts);
+        }
+    }
+
+    fn post_all(&mut self, posts: Vec<super::sched::Post>) {
+        for post in posts {
             if self.sched.send_queue(post.qp).is_none_or(|q| q.is_broken()) {
                 continue; // an earlier post on it failed; its work was re-queued
             }
             let batches = &self.batches;
-            let Some(qp) = self.qps.get_mut(post.qp) else {
-                continue;
-            };
-            let r = post_chain(qp, post.qp as u32, &post, |b| {
-                batches.get(&b).map(|o| &o.plan)
-            });
+            let r = self.path.post(&post, &|b| batches.get(&b).map(|o| &o.plan));
             match r {
                 Ok(()) => metrics::counter!("kvx_verbs_posts_total").increment(1),
                 Err(e) => {
@@ -365,3 +373,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "session_tests.rs"]
+mod sim_tests;
