@@ -15,6 +15,17 @@
 //!   creation and the INIT → RTR → RTS transitions), [`post`] (chained work requests posted
 //!   with one doorbell through the extended verbs), [`cq`] (completion polling driven by the
 //!   completion channel's file descriptor in tokio).
+//! - **Glue**: [`session`] (one peer's driver task: plan on the caller, post what the scheduler
+//!   hands out, feed completions back, answer each batch once; it talks to the hardware only
+//!   through the [`path`] seam, so it is tested against a simulated NIC here) and [`engine`]
+//!   ([`VerbsTransport`], the crate's `Transport`: registration, descriptor, the queue-pair
+//!   handshake over TCP framed with the tcp backend's hello, the receiving side's queue pairs).
+//!
+//! Invariants: no work request carries an address that was not resolved inside a registered
+//! region (local: lkey table; remote: the regions the peer advertised); the send window of a
+//! queue pair never exceeds its depth and never ends in an unsignalled work request; a failed
+//! work request fails its own batch only, flushed ones are re-posted on the peer's other queue
+//! pairs; a batch is answered once, after none of its work requests is still on the wire.
 //!
 //! sideway loads libibverbs with `dlopen`, so a binary built with the feature runs on hosts
 //! without rdma-core: discovery then reports [`VerbsError::NoDevice`] (ENOSYS when the kernel
