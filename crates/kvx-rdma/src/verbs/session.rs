@@ -1,11 +1,11 @@
-//! One peer's sending session: a tokio task that owns the queue pairs, the completion queue and
-//! the scheduler, and the [`Session`] handle that feeds it.
+//! One peer's sending session: a tokio task that owns its [`SendPath`] (queue pairs and completion
+//! queue) and the scheduler, and the [`Session`] handle that feeds it.
 //!
 //! [`VerbsSession::write_batch`] plans the batch on the caller's task (every range checked
 //! against the local lkey table and the peer's advertised regions, so a bad batch fails before
 //! anything is posted) and hands the plan to the session task. The task is a thin driver: it
 //! moves submissions into [`PeerScheduler`], posts what the scheduler hands out (one doorbell
-//! per post), feeds completions from the [`EventCq`] back, and answers each batch once. It also
+//! per post), feeds completions from the [`SendPath`] back, and answers each batch once. It also
 //! watches the handshake's TCP connection: when the peer process dies the connection closes and
 //! every open batch fails at once instead of waiting for the queue pairs' retry timeout.
 
