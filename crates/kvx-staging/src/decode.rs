@@ -12,7 +12,10 @@
 //! room, so releasing the room (success, failure or abort) removes it — no stale subscribers; a
 //! room that subscribes is sent the current watermark at once; the ring restarts at offset 0 when
 //! empty ([`StagingRing`]); and a `STAGING_REQ` whose chunk does not match the room's grid (cut
-//! from the decode prefix) is refused instead of sized wrongly.
+//! from the decode prefix) is refused instead of sized wrongly. Beyond sglang (spec §8 item 6):
+//! [`DecodeStaging::abort_room`] keeps the regions a prefill may still be writing fenced until
+//! every prefill rank of the room confirmed it stopped, so a late write never lands in a region
+//! already handed to another room.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -161,6 +164,15 @@ pub struct DecodeStaging<P> {
     session: SessionId,
     ring: StagingRing,
     rooms: BTreeMap<Room, RoomState<P>>,
+    fenced: BTreeMap<Room, Fenced<P>>,
+}
+
+/// An aborted room's allocations that a prefill may still be writing.
+#[derive(Clone, Debug)]
+struct Fenced<P> {
+    /// Prefill ranks that have not yet confirmed they stopped writing the room.
+    waiting: BTreeSet<P>,
+    allocs: Vec<(u32, AllocId)>,
 }
 
 impl<P: Clone + Ord> DecodeStaging<P> {
@@ -170,12 +182,13 @@ impl<P: Clone + Ord> DecodeStaging<P> {
             session,
             ring: StagingRing::new(ring_size),
             rooms: BTreeMap::new(),
+            fenced: BTreeMap::new(),
         }
     }
 
     /// Registers a room for staging (before its metadata is sent to the prefill).
     pub fn register_room(&mut self, room: Room, cfg: DecodeRoom<P>) -> Result<(), DecodeError> {
-        if self.rooms.contains_key(&room) {
+        if self.rooms.contains_key(&room) || self.fenced.contains_key(&room) {
             return Err(DecodeError::RoomExists(room));
         }
         self.rooms.insert(
@@ -370,8 +383,10 @@ impl<P: Clone + Ord> DecodeStaging<P> {
         Ok(wm.and_then(|wm| self.broadcast(wm)).into_iter().collect())
     }
 
-    /// Releases a room (completed, failed or aborted): frees every allocation it still holds and
-    /// drops its subscription. The driver must have stopped any scatter reading its regions.
+    /// Releases a room (completed, or failed/aborted with no prefill write in flight): frees
+    /// every allocation it still holds and drops its subscription (sglang's `release_room`).
+    /// The driver must have stopped any scatter reading its regions. When a prefill may still
+    /// be writing, use [`DecodeStaging::abort_room`] instead.
     /// Returns the watermark broadcast if anything was freed and some room is still subscribed.
     /// Unknown rooms are a no-op.
     pub fn release_room(&mut self, room: Room) -> Vec<DecodeAction<P>> {
@@ -385,6 +400,78 @@ impl<P: Clone + Ord> DecodeStaging<P> {
             }
         }
         last.and_then(|wm| self.broadcast(wm)).into_iter().collect()
+    }
+
+    /// Aborts a room (decode-side abort, timeout, or a failure reported by one prefill rank)
+    /// while other prefill ranks may still be writing its chunks: the room and its subscription
+    /// go at once, allocations every writer already reported (`CHUNK_READY`) are freed, and the
+    /// others stay **fenced** — live in the ring, so the watermark keeps their bytes from being
+    /// reused — until every prefill rank of the room confirmed it stopped writing
+    /// ([`DecodeStaging::on_prefill_quiesced`]) or the driver gives up
+    /// ([`DecodeStaging::release_fenced`]). This closes the window in which sglang reuses a
+    /// region a late RDMA write still lands in. The driver must have stopped running scatters.
+    pub fn abort_room(&mut self, room: Room) -> Vec<DecodeAction<P>> {
+        let Some(st) = self.rooms.remove(&room) else {
+            return Vec::new();
+        };
+        let writers = st.cfg.layout.writers.len();
+        let mut last = None;
+        let mut allocs = Vec::new();
+        for (&chunk, slot) in &st.slots {
+            if let Slot::Live { id, arrivals, .. } = slot {
+                if arrivals.len() >= writers {
+                    last = self.ring.free(*id).or(last);
+                } else {
+                    allocs.push((chunk, *id));
+                }
+            }
+        }
+        if !allocs.is_empty() {
+            let waiting = st.cfg.peers.into_iter().collect();
+            self.fenced.insert(room, Fenced { waiting, allocs });
+        }
+        last.and_then(|wm| self.broadcast(wm)).into_iter().collect()
+    }
+
+    /// A prefill rank of an aborted room will write nothing more for it (it acknowledged the
+    /// abort, or reported the room's final status after its writes completed). Once every rank
+    /// of the room did, its fenced allocations are freed.
+    pub fn on_prefill_quiesced(&mut self, room: Room, peer: &P) -> Vec<DecodeAction<P>> {
+        let Some(f) = self.fenced.get_mut(&room) else {
+            return Vec::new();
+        };
+        f.waiting.remove(peer);
+        if f.waiting.is_empty() {
+            self.release_fenced(room)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Frees an aborted room's fenced allocations now (the driver's deadline for the prefill's
+    /// confirmation passed, or the prefill is known dead).
+    pub fn release_fenced(&mut self, room: Room) -> Vec<DecodeAction<P>> {
+        let Some(f) = self.fenced.remove(&room) else {
+            return Vec::new();
+        };
+        let mut last = None;
+        for (_, id) in f.allocs {
+            last = self.ring.free(id).or(last);
+        }
+        last.and_then(|wm| self.broadcast(wm)).into_iter().collect()
+    }
+
+    /// Chunks of an aborted room whose regions are still fenced.
+    pub fn fenced_chunks(&self, room: Room) -> Vec<u32> {
+        self.fenced
+            .get(&room)
+            .map(|f| f.allocs.iter().map(|(c, _)| *c).collect())
+            .unwrap_or_default()
+    }
+
+    /// Aborted rooms with fenced allocations.
+    pub fn fenced_count(&self) -> usize {
+        self.fenced.len()
     }
 
     /// The watermark for every subscribed room's prefill ranks (`None` when there is none).
@@ -615,6 +702,46 @@ mod tests {
             (0, 0, 0)
         );
         assert!(d.release_room(room).is_empty());
+    }
+
+    #[test]
+    fn abort_fences_regions_until_every_prefill_rank_confirms() {
+        let (mut d, room, s) = setup(64);
+        d.on_staging_req(&req(room, 0, 4, &s)).unwrap();
+        d.on_staging_req(&req(room, 1, 2, &s)).unwrap();
+        // Both writers reported chunk 0; only one reported chunk 1.
+        d.on_chunk_ready(&ready(room, 0, 0, 4, &s, 0)).unwrap();
+        d.on_chunk_ready(&ready(room, 0, 0, 4, &s, 1)).unwrap();
+        d.on_chunk_ready(&ready(room, 1, 4, 2, &s, 1)).unwrap();
+        assert!(d.abort_room(room).is_empty());
+        assert_eq!(d.fenced_chunks(room), vec![1]);
+        assert_eq!(d.live_allocations(), 1);
+        assert_eq!((d.room_count(), d.subscriber_count()), (0, 0));
+        assert_eq!(
+            d.register_room(room, d_cfg()),
+            Err(DecodeError::RoomExists(room))
+        );
+        assert!(d.on_prefill_quiesced(room, &1).is_empty());
+        assert_eq!(d.live_allocations(), 1);
+        d.on_prefill_quiesced(room, &0);
+        assert_eq!((d.live_allocations(), d.fenced_count()), (0, 0));
+        assert_eq!(d.ring().watermark(), Watermark { round: 1, tail: 0 });
+        assert!(d.on_prefill_quiesced(room, &0).is_empty());
+        // The driver's deadline path.
+        let (mut d, room, s) = setup(64);
+        d.on_staging_req(&req(room, 0, 4, &s)).unwrap();
+        d.abort_room(room);
+        assert_eq!(d.fenced_count(), 1);
+        d.release_fenced(room);
+        assert_eq!((d.live_allocations(), d.fenced_count()), (0, 0));
+    }
+
+    fn d_cfg() -> DecodeRoom<u8> {
+        DecodeRoom {
+            peers: vec![0],
+            grid: RoomGrid::from_pages(ChunkGrid::with_pages(4), 6),
+            layout: StagedLayout::for_decode(&TpGeometry::new(2, 2, 1).unwrap(), 0, 1, 1, 1),
+        }
     }
 
     #[test]

@@ -9,7 +9,10 @@
 //!   (same-round allocations never overlap);
 //! - liveness: draining the queues completes every room (no stalled watermark, even after the
 //!   ring empties and a fresh prefill instance joins);
-//! - after every room is terminal: no allocation, subscriber, room or prefetch key is left.
+//! - aborts race with the prefill: the decode fences the room's unreported regions, each prefill
+//!   rank keeps writing until it processes the ABORT, then confirms; its late writes must still
+//!   land in bytes nobody else owns;
+//! - after every room is terminal: no allocation, fence, subscriber, room or prefetch key is left.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, VecDeque};
@@ -64,11 +67,14 @@ fn action() -> impl Strategy<Value = Action> {
 enum ToDecode {
     Req(StagingReq),
     Ready(ChunkReady),
+    /// A prefill rank stopped writing an aborted room (its ABORT_ACK).
+    Quiesced(Room, u32),
 }
 
 enum ToPrefill {
     Rsp(StagingRsp),
     Wm(WatermarkMsg),
+    Abort(Room),
 }
 
 struct RoomInfo {
@@ -77,6 +83,11 @@ struct RoomInfo {
     prefetched: Vec<bool>,
     produced: Vec<u32>,
     scattered: u64,
+    aborted: bool,
+    /// Prefill ranks that concluded the room (they write nothing more for it).
+    concluded: Vec<bool>,
+    /// Confirmations the decode has received.
+    quiesced: u32,
 }
 
 type Owner = (Room, u32, usize);
@@ -156,12 +167,18 @@ impl Model {
                 prefetched: vec![false; pt as usize],
                 produced: vec![0; pt as usize],
                 scattered: 0,
+                aborted: false,
+                concluded: vec![false; pt as usize],
+                quiesced: 0,
             },
         );
     }
 
     fn prefetch(&mut self, room: Room, rank: u32, drop_one: bool) {
         let info = &self.rooms[&room];
+        if info.concluded[rank as usize] {
+            return;
+        }
         let peer = self.peer(info.instance, rank) as usize;
         let grid = info.grid;
         let reqs = self.prefills[peer]
@@ -180,6 +197,7 @@ impl Model {
     fn produce(&mut self, room: Room, rank: u32) {
         let info = &self.rooms[&room];
         if !info.prefetched[rank as usize]
+            || info.concluded[rank as usize]
             || u64::from(info.produced[rank as usize]) >= info.grid.num_chunks()
         {
             return;
@@ -206,10 +224,14 @@ impl Model {
 
     /// The prefill writes its block of a chunk: every byte must be free.
     fn write(&mut self, peer: u32, key: ChunkKey, p: Placement) {
-        if !self.rooms.contains_key(&key.room) {
+        let rank = peer % self.pt();
+        if self
+            .rooms
+            .get(&key.room)
+            .is_none_or(|i| i.concluded[rank as usize])
+        {
             return; // concluded meanwhile: the driver drops the chunk
         }
-        let rank = peer % self.pt();
         let w = self.geom.writer_index(rank) as usize;
         let grid = self.rooms[&key.room].grid;
         let pages = grid.chunk_pages(u64::from(key.chunk_idx)).unwrap();
@@ -267,12 +289,22 @@ impl Model {
         let (room, r) = match &m {
             ToDecode::Req(r) => (r.room, self.decode.on_staging_req(r)),
             ToDecode::Ready(r) => (r.room, self.decode.on_chunk_ready(r)),
+            ToDecode::Quiesced(room, peer) => {
+                let actions = self.decode.on_prefill_quiesced(*room, peer);
+                self.apply(actions);
+                if let Some(info) = self.rooms.get_mut(room) {
+                    info.quiesced += 1;
+                }
+                self.settle_abort(*room);
+                return true;
+            }
         };
         match r {
             Ok(actions) => self.apply(actions),
-            Err(DecodeError::UnknownRoom(x)) => {
-                assert!(x == room && !self.rooms.contains_key(&room))
-            }
+            Err(DecodeError::UnknownRoom(x)) => assert!(
+                x == room && self.rooms.get(&room).is_none_or(|i| i.aborted),
+                "room {room} unknown to the decode"
+            ),
             Err(e) => panic!("unexpected decode error {e}"),
         }
         true
@@ -283,6 +315,15 @@ impl Model {
             return false;
         };
         let wakes: Vec<Wake> = match m {
+            ToPrefill::Abort(room) => {
+                // The rank stops writing the room, purges it and confirms.
+                self.prefills[peer as usize].conclude_room(room);
+                if let Some(info) = self.rooms.get_mut(&room) {
+                    info.concluded[(peer % self.geom.prefill_tp) as usize] = true;
+                }
+                self.to_decode.push_back(ToDecode::Quiesced(room, peer));
+                Vec::new()
+            }
             ToPrefill::Wm(w) => self.prefills[peer as usize].on_watermark(&w),
             ToPrefill::Rsp(r) => match self.prefills[peer as usize].on_staging_rsp(&r) {
                 Ok(w) => w,
@@ -341,11 +382,49 @@ impl Model {
         self.rooms.remove(&room);
     }
 
+    /// Decode-side abort (or a failure one prefill rank reported): fence, tell every rank.
+    fn abort(&mut self, room: Room) {
+        let Some(info) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if info.aborted {
+            return;
+        }
+        info.aborted = true;
+        let instance = info.instance;
+        self.failed += 1;
+        self.scatters.retain(|j| j.room != room);
+        let actions = self.decode.abort_room(room);
+        self.apply(actions);
+        // Chunks freed at once (every writer had reported) are no longer owned by anyone.
+        let fenced = self.decode.fenced_chunks(room);
+        for cell in &mut self.shadow {
+            if matches!(cell, Some((r, c, _)) if *r == room && !fenced.contains(c)) {
+                *cell = None;
+            }
+        }
+        for rank in 0..self.pt() {
+            let peer = self.peer(instance, rank);
+            self.to_prefill[peer as usize].push_back(ToPrefill::Abort(room));
+        }
+    }
+
+    /// An aborted room is terminal once every prefill rank confirmed and the fence is gone.
+    fn settle_abort(&mut self, room: Room) {
+        let Some(info) = self.rooms.get(&room) else {
+            return;
+        };
+        if info.aborted && info.quiesced == self.geom.prefill_tp {
+            assert!(self.decode.fenced_chunks(room).is_empty());
+            self.clear_shadow(room, None);
+            self.rooms.remove(&room);
+        }
+    }
+
     fn fail(&mut self, room: Room) {
-        if self.rooms.contains_key(&room) {
+        if self.rooms.get(&room).is_some_and(|i| !i.aborted) {
             assert!(self.decode.room_oversized(room));
-            self.conclude(room);
-            self.failed += 1;
+            self.abort(room);
         }
     }
 
@@ -386,8 +465,7 @@ impl Model {
             }
             Action::Abort(i) => {
                 if let Some(r) = self.pick_room(i) {
-                    self.conclude(r);
-                    self.failed += 1;
+                    self.abort(r);
                 }
             }
         }
@@ -440,7 +518,11 @@ impl Model {
             for room in &rooms {
                 for rank in 0..self.pt() {
                     while let Some(info) = self.rooms.get(room) {
-                        if u64::from(info.produced[rank as usize]) >= info.grid.num_chunks() {
+                        let r = rank as usize;
+                        if !info.prefetched[r]
+                            || info.concluded[r]
+                            || u64::from(info.produced[r]) >= info.grid.num_chunks()
+                        {
                             break;
                         }
                         self.produce(*room, rank);
@@ -472,6 +554,7 @@ impl Model {
         assert_eq!(self.decode.live_allocations(), 0);
         assert_eq!(self.decode.subscriber_count(), 0);
         assert_eq!(self.decode.room_count(), 0);
+        assert_eq!(self.decode.fenced_count(), 0);
         for p in &self.prefills {
             assert!(p.is_idle(), "prefill keeps per-room state");
             assert_eq!(p.key_count(), 0);
