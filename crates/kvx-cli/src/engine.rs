@@ -226,7 +226,6 @@ impl Shared {
     pub(crate) fn set_fatal(&self, err: TransferThreadFailed) {
         let err = Arc::new(err);
         lock(&self.fatal).get_or_insert_with(|| err.clone());
-        self.stop.store(true, Ordering::Relaxed);
         let _ = lock(&self.fatal_tx).send(err);
     }
 }
@@ -479,7 +478,17 @@ fn handle_inbound(shared: &Shared, frames: &[Vec<u8>]) {
             lock(&shared.table).register(*reg);
             Vec::new()
         }
-        PrefillInbound::Metadata(req) => lock(&shared.table).metadata(*req, Instant::now()),
+        PrefillInbound::Metadata(req) => {
+            let room = req.room;
+            let dead = lock(&shared.fatal).clone();
+            let mut t = lock(&shared.table);
+            let mut actions = t.metadata(*req, Instant::now());
+            if let Some(err) = dead {
+                // The rank is going down: a room opened now can never be served.
+                actions.extend(t.fail(room, err.to_string()));
+            }
+            actions
+        }
         PrefillInbound::Abort { room, endpoint } => {
             metrics::counter!("kvx_aborts_total").increment(1);
             lock(&shared.table).abort(room, endpoint)

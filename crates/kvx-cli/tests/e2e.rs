@@ -1,0 +1,209 @@
+//! End to end over real processes: a prefill rank serving two decodes, a decode killed
+//! mid-transfer, metadata from an unknown session, and a flood of malformed frames.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const GUARD: Duration = Duration::from_secs(60);
+
+#[test]
+fn two_decodes_every_byte_verified() {
+    let port = free_port();
+    let prefill = start_prefill(port, &[], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    let args = [
+        "--requests",
+        "12",
+        "--prompt-tokens",
+        "100",
+        "--prompt-tokens-max",
+        "700",
+        "--concurrency",
+        "4",
+    ];
+    let a = start_decode(port, &sa, &args);
+    let b = start_decode(port, &sb, &args);
+    let (oa, ob) = (a.wait_output(GUARD), b.wait_output(GUARD));
+    assert!(
+        oa.status.success(),
+        "{}",
+        String::from_utf8_lossy(&oa.stderr)
+    );
+    assert!(
+        ob.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ob.stderr)
+    );
+    for s in [summary(&sa), summary(&sb)] {
+        assert_eq!(s["verified"], 12, "{s}");
+        assert_eq!(s["failed"], 0);
+        assert!(s["bytes"].as_u64().unwrap() > 0);
+    }
+    let stdout = String::from_utf8_lossy(&oa.stdout);
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("verified: 12/12 rooms"),
+        "{stdout}"
+    );
+    let (_, m) = http_get(port, "/metrics").unwrap();
+    assert_eq!(metric_sum(&m, "kvx_registrations_total"), 2.0, "{m}");
+    assert_eq!(metric_sum(&m, "kvx_live_workers"), 4.0);
+    assert!(metric_sum(&m, "kvx_transfer_bytes_total") > 0.0);
+    drop(prefill);
+}
+
+#[test]
+fn killed_decode_fails_its_rooms_only() {
+    let port = free_port();
+    let _prefill = start_prefill(port, &[], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    // A decode that would run for a long time, killed once transfers to it are under way.
+    let mut victim = start_decode(
+        port,
+        &sa,
+        &[
+            "--requests",
+            "1000000",
+            "--prompt-tokens",
+            "2000",
+            "--concurrency",
+            "8",
+        ],
+    );
+    wait_until(GUARD, "transfers started", || {
+        http_get(port, "/metrics")
+            .is_some_and(|(_, m)| metric_sum(&m, "kvx_transfer_batches_total") >= 20.0)
+    });
+    victim.child().kill().unwrap();
+    victim.child().wait().unwrap();
+    wait_until(GUARD, "rooms of the dead decode failed", || {
+        http_get(port, "/metrics")
+            .is_some_and(|(_, m)| metric_sum(&m, "kvx_room_failures_total") >= 1.0)
+    });
+    // Its open rooms are failed and dropped: nothing of them stays on the prefill.
+    wait_until(GUARD, "per-room entries gone", || {
+        http_get(port, "/metrics").is_some_and(|(_, m)| metric_sum(&m, "kvx_room_entries") == 0.0)
+    });
+    let other = start_decode(port, &sb, &["--requests", "10", "--prompt-tokens", "500"]);
+    let out = other.wait_output(GUARD);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary(&sb)["verified"], 10);
+    let (_, m) = http_get(port, "/metrics").unwrap();
+    assert_eq!(metric_sum(&m, "kvx_live_workers"), 4.0, "{m}");
+    assert_eq!(metric_sum(&m, "kvx_worker_failures_total"), 0.0);
+}
+
+fn push_to(endpoint: &str) -> (zmq::Context, zmq::Socket) {
+    let ctx = zmq::Context::new();
+    let push = ctx.socket(zmq::PUSH).expect("push socket");
+    push.set_linger(1000).expect("linger");
+    push.connect(endpoint).expect("connect");
+    (ctx, push)
+}
+
+#[test]
+fn metadata_from_unknown_session_fails_that_room_only() {
+    let port = free_port();
+    let _prefill = start_prefill(port, &[], &[]);
+    let ctx = zmq::Context::new();
+    let pull = ctx.socket(zmq::PULL).unwrap();
+    pull.bind("tcp://127.0.0.1:*").unwrap();
+    pull.set_rcvtimeo(30_000).unwrap();
+    let me = pull.get_last_endpoint().unwrap().unwrap();
+    let my_port = me.rsplit(':').next().unwrap();
+    let (_c, push) = push_to(&inbox(port));
+    // Metadata for room 77 from a session that never registered.
+    let frames: Vec<Vec<u8>> = vec![
+        b"77".to_vec(),
+        b"127.0.0.1".to_vec(),
+        my_port.as_bytes().to_vec(),
+        b"127.0.0.1:1".to_vec(),
+        [5i32, 6, 7].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        b"3".to_vec(),
+        vec![],
+        b"1".to_vec(),
+        b"0".to_vec(),
+        vec![],
+    ];
+    push.send_multipart(frames, 0).unwrap();
+    let status = pull.recv_multipart(0).expect("a status for room 77");
+    assert_eq!(status, vec![b"77".to_vec(), b"0".to_vec(), b"0".to_vec()]);
+    // The worker and the rank are fine: a real decode is served.
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let out =
+        start_decode(port, &s, &["--requests", "6", "--prompt-tokens", "300"]).wait_output(GUARD);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary(&s)["verified"], 6);
+}
+
+#[test]
+fn malformed_flood_is_counted_and_dropped() {
+    let port = free_port();
+    let _prefill = start_prefill(port, &[], &[]);
+    let (_c, push) = push_to(&inbox(port));
+    let garbage: [&[&[u8]]; 6] = [
+        &[b"not-a-room"],
+        &[b"None", b"x"],
+        &[b"123"],
+        &[b"ABORT", b"1"],
+        &[b"0", b"127.0.0.1", b"1", b"s", b"", b"", b"", b"1"],
+        &[
+            b"None",
+            b"h",
+            b"notaport",
+            b"s",
+            b"",
+            b"",
+            b"",
+            b"0",
+            b"1",
+            b"0",
+        ],
+    ];
+    let n = 1200;
+    for i in 0..n {
+        let msg: Vec<Vec<u8>> = garbage[i % garbage.len()]
+            .iter()
+            .map(|f| f.to_vec())
+            .collect();
+        push.send_multipart(msg, 0).unwrap();
+    }
+    wait_until(GUARD, "every malformed frame counted", || {
+        http_get(port, "/metrics")
+            .is_some_and(|(_, m)| metric_sum(&m, "kvx_malformed_frames_total") >= n as f64)
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let out =
+        start_decode(port, &s, &["--requests", "6", "--prompt-tokens", "300"]).wait_output(GUARD);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary(&s)["verified"], 6);
+    let (_, m) = http_get(port, "/metrics").unwrap();
+    assert_eq!(
+        metric_sum(&m, "kvx_malformed_frames_total"),
+        n as f64,
+        "{m}"
+    );
+    assert_eq!(metric_sum(&m, "kvx_live_workers"), 4.0);
+}
