@@ -139,12 +139,34 @@ pub enum DecodeAction<P> {
     Scatter(ScatterJob),
 }
 
+/// Writers that reported a chunk: distinct ranks, plus reports that named no rank.
+#[derive(Clone, Debug, Default)]
+struct Arrivals {
+    ranks: BTreeSet<u32>,
+    anonymous: usize,
+}
+
+impl Arrivals {
+    fn record(&mut self, rank: Option<u32>) {
+        match rank {
+            Some(r) => {
+                self.ranks.insert(r);
+            }
+            None => self.anonymous += 1,
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.ranks.len() + self.anonymous
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Slot {
     Live {
         id: AllocId,
         placement: Placement,
-        arrivals: BTreeSet<u32>,
+        arrivals: Arrivals,
         scattering: bool,
     },
     Oversized,
@@ -261,7 +283,7 @@ impl<P: Clone + Ord> DecodeStaging<P> {
                             Slot::Live {
                                 id,
                                 placement,
-                                arrivals: BTreeSet::new(),
+                                arrivals: Arrivals::default(),
                                 scattering: false,
                             },
                         );
@@ -338,8 +360,8 @@ impl<P: Clone + Ord> DecodeStaging<P> {
                 scattering,
                 ..
             }) => {
-                arrivals.insert(msg.prefill_unique_rank);
-                if arrivals.len() >= writers && !*scattering {
+                arrivals.record(msg.prefill_unique_rank);
+                if arrivals.count() >= writers && !*scattering {
                     *scattering = true;
                     return Ok(vec![DecodeAction::Scatter(ScatterJob {
                         room: msg.room,
@@ -419,7 +441,7 @@ impl<P: Clone + Ord> DecodeStaging<P> {
         let mut allocs = Vec::new();
         for (&chunk, slot) in &st.slots {
             if let Slot::Live { id, arrivals, .. } = slot {
-                if arrivals.len() >= writers {
+                if arrivals.count() >= writers {
                     last = self.ring.free(*id).or(last);
                 } else {
                     allocs.push((chunk, *id));
@@ -579,7 +601,7 @@ mod tests {
             page_start,
             num_pages,
             session: s.clone(),
-            prefill_unique_rank: rank,
+            prefill_unique_rank: Some(rank),
         }
     }
 
@@ -641,6 +663,18 @@ mod tests {
             d.on_scatter_done(room, 0),
             Err(DecodeError::ChunkNotAllocated { room, chunk_idx: 0 })
         );
+    }
+
+    #[test]
+    fn arrivals_without_rank_each_count() {
+        let (mut d, room, s) = setup(64);
+        d.on_staging_req(&req(room, 0, 4, &s)).unwrap();
+        let anon = ChunkReady {
+            prefill_unique_rank: None,
+            ..ready(room, 0, 0, 4, &s, 0)
+        };
+        assert!(d.on_chunk_ready(&anon).unwrap().is_empty());
+        assert_eq!(d.on_chunk_ready(&anon).unwrap().len(), 1);
     }
 
     #[test]

@@ -9,6 +9,10 @@
 //! `[K layer0 … K layer(L-1), V layer0 … V layer(L-1)]`, each page `item_len` bytes, token-major
 //! (`page_size` slots of `item_len / page_size` bytes, heads inside a slot).
 
+use kvx_core::TransferOp;
+
+use crate::ring::Placement;
+
 /// Why a TP geometry is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GeometryError {
@@ -70,6 +74,15 @@ impl TpGeometry {
     /// Heads held by one decode rank (`hd`).
     pub fn decode_heads(&self) -> u32 {
         (self.total_kv_heads / self.decode_tp).max(1)
+    }
+
+    /// Bytes of one head of one token, from the decode's KV item length (registration frame 9):
+    /// `dst_kv_item_len / page_size / hd`; `None` when that is 0.
+    pub fn bytes_per_head_token(&self, dst_kv_item_len: u64, page_size: u64) -> Option<u64> {
+        let bph = dst_kv_item_len
+            .checked_div(page_size)?
+            .checked_div(u64::from(self.decode_heads()))?;
+        (bph > 0).then_some(bph)
     }
 
     /// Staged writers per chunk: `Pt/Dt` when `Pt > Dt`, else 1.
@@ -204,6 +217,28 @@ impl StagedLayout {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// The single write of writer `w`'s gathered block (at local address `src`) for a chunk of
+    /// `pages` pages placed at `placement` in a ring of `ring_size` bytes at `ring_base`:
+    /// `ring_base + offset + writer_offset`. `None` when the block would leave its placement or
+    /// the ring (a placement that does not match this layout).
+    pub fn write_op(
+        &self,
+        w: usize,
+        pages: u64,
+        placement: &Placement,
+        ring_base: u64,
+        ring_size: u64,
+        src: u64,
+    ) -> Option<TransferOp> {
+        let len = self.writer_bytes(w, pages);
+        let off = placement.offset.checked_add(self.writer_offset(w, pages))?;
+        let end = off.checked_add(len)?;
+        if w >= self.writers.len() || end > placement.end || end > ring_size {
+            return None;
+        }
+        Some(TransferOp::new(src, ring_base.checked_add(off)?, len))
+    }
+
     /// Bytes of the whole chunk region (all writers).
     pub fn chunk_bytes(&self, pages: u64) -> u64 {
         self.writer_offset(self.writers.len(), pages)
@@ -253,5 +288,21 @@ mod tests {
         assert_eq!(l.writer_bytes(0, 2), 2 * 16 * 4 * 256 * 6);
         assert_eq!(l.writer_offset(1, 2), l.writer_bytes(0, 2));
         assert_eq!(l.chunk_bytes(2), 2 * l.writer_bytes(0, 2));
+        let wb = l.writer_bytes(0, 2);
+        let p = Placement {
+            offset: 100,
+            round: 0,
+            end: 100 + 2 * wb,
+        };
+        assert_eq!(
+            l.write_op(1, 2, &p, 1 << 20, 1 << 30, 7),
+            Some(TransferOp::new(7, (1 << 20) + 100 + wb, wb))
+        );
+        assert_eq!(l.write_op(2, 2, &p, 1 << 20, 1 << 30, 7), None);
+        assert_eq!(l.write_op(1, 3, &p, 1 << 20, 1 << 30, 7), None);
+        assert_eq!(l.write_op(1, 2, &p, 1 << 20, 100 + wb, 7), None);
+        // 8 heads on decode TP 1, page 16: item 16 * 8 * 256.
+        assert_eq!(g.bytes_per_head_token(16 * 8 * 256, 16), Some(256));
+        assert_eq!(g.bytes_per_head_token(16, 0), None);
     }
 }

@@ -130,8 +130,9 @@ pub struct ChunkReady {
     pub num_pages: u64,
     /// The decode session id.
     pub session: SessionId,
-    /// The sending prefill's unique rank (informational; the decode counts arrivals).
-    pub prefill_unique_rank: u32,
+    /// The sending prefill's unique rank (frame 6, absent from some senders). The decode counts
+    /// repeated arrivals of one rank once; arrivals without a rank each count.
+    pub prefill_unique_rank: Option<u32>,
 }
 
 #[cfg(test)]

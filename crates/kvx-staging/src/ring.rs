@@ -65,6 +65,15 @@ pub struct Watermark {
 }
 
 impl Watermark {
+    /// A watermark from the wire's `(round, tail)`; `None` for a negative round, which no decode
+    /// sends.
+    pub fn from_wire(round: i64, tail: u64) -> Option<Self> {
+        Some(Watermark {
+            round: u64::try_from(round).ok()?,
+            tail,
+        })
+    }
+
     /// sglang's readiness rule (spec §6): an allocation of round 0 is always writable; one of
     /// round `r > 0` ending at `e` is writable iff `r - 1 < round`, or `r - 1 == round` and
     /// `e <= tail`.
@@ -227,6 +236,15 @@ mod tests {
                 total: 100
             })
         );
+    }
+
+    #[test]
+    fn watermark_from_wire() {
+        assert_eq!(
+            Watermark::from_wire(3, 16),
+            Some(Watermark { round: 3, tail: 16 })
+        );
+        assert_eq!(Watermark::from_wire(-1, 0), None);
     }
 
     #[test]

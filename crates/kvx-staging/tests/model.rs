@@ -252,7 +252,7 @@ impl Model {
             page_start: grid.chunk_start(u64::from(key.chunk_idx)).unwrap(),
             num_pages: pages,
             session: self.session.clone(),
-            prefill_unique_rank: peer,
+            prefill_unique_rank: Some(peer),
         }));
     }
 

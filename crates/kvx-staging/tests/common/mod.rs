@@ -331,8 +331,9 @@ pub fn run_staged_room(
             )
             .unwrap();
             assert_eq!(len as u64, layout.writer_bytes(w, n));
-            let off = pl.offset + layout.writer_offset(w, n);
-            assert!(off + len as u64 <= pl.end);
+            let op = layout.write_op(w, n, &pl, 0, ring_len, 0).unwrap();
+            let off = op.dst;
+            assert_eq!(op.len, len as u64);
             stats.write_ops += link.write(p as usize, d, len, off) as u64;
             stats.bytes += len as u64;
             to_decode[d].push_back(ToDecode::Ready(ChunkReady {
@@ -341,7 +342,7 @@ pub fn run_staged_room(
                 page_start: start,
                 num_pages: n,
                 session: key.session.clone(),
-                prefill_unique_rank: p,
+                prefill_unique_rank: Some(p),
             }));
         }
         for d in 0..s.dt as usize {
