@@ -62,7 +62,10 @@ impl ChunkGrid {
         if start >= total_pages {
             return None;
         }
-        Some((start, (start + self.full_chunk_pages).min(total_pages)))
+        Some((
+            start,
+            start.saturating_add(self.full_chunk_pages).min(total_pages),
+        ))
     }
 
     /// Splits a send's page slice at grid boundaries: one `(chunk_idx, slice)` per grid
@@ -73,7 +76,7 @@ impl ChunkGrid {
         let end = slice.end as u64;
         while at < end {
             let idx = self.chunk_of(at);
-            let seg_end = ((idx + 1) * self.full_chunk_pages).min(end);
+            let seg_end = (idx + 1).saturating_mul(self.full_chunk_pages).min(end);
             if let (Ok(s), Ok(e)) = (usize::try_from(at), usize::try_from(seg_end)) {
                 out.push((idx, PageSlice { start: s, end: e }));
             }
