@@ -352,7 +352,7 @@ impl<P: Clone + Ord> DecodeStaging<P> {
                 got_start: msg.page_start,
             });
         }
-        let writers = st.cfg.layout.writers.len();
+        let writers = st.cfg.layout.reports_per_chunk();
         match st.slots.get_mut(&msg.chunk_idx) {
             Some(Slot::Live {
                 placement,
@@ -436,7 +436,7 @@ impl<P: Clone + Ord> DecodeStaging<P> {
         let Some(st) = self.rooms.remove(&room) else {
             return Vec::new();
         };
-        let writers = st.cfg.layout.writers.len();
+        let writers = st.cfg.layout.reports_per_chunk();
         let mut last = None;
         let mut allocs = Vec::new();
         for (&chunk, slot) in &st.slots {
@@ -662,6 +662,30 @@ mod tests {
         assert_eq!(
             d.on_scatter_done(room, 0),
             Err(DecodeError::ChunkNotAllocated { room, chunk_idx: 0 })
+        );
+    }
+
+    #[test]
+    fn pipeline_stages_multiply_the_reports() {
+        let s = SessionId::new("d:1");
+        let mut d: DecodeStaging<u8> = DecodeStaging::new(s.clone(), 64);
+        let room = Room::new(3).unwrap();
+        let mut cfg = d_cfg();
+        cfg.layout = cfg.layout.with_pp_writers(2);
+        d.register_room(room, cfg).unwrap();
+        d.on_staging_req(&req(room, 0, 4, &s)).unwrap();
+        for rank in 0..3 {
+            assert!(
+                d.on_chunk_ready(&ready(room, 0, 0, 4, &s, rank))
+                    .unwrap()
+                    .is_empty()
+            );
+        }
+        assert_eq!(
+            d.on_chunk_ready(&ready(room, 0, 0, 4, &s, 3))
+                .unwrap()
+                .len(),
+            1
         );
     }
 

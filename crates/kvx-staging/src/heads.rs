@@ -168,6 +168,10 @@ pub struct StagedLayout {
     pub page_size: u64,
     /// Writers in writer-index order.
     pub writers: Vec<Writer>,
+    /// Prefill pipeline stages writing into each writer's block (`Ppp / Dpp`; 1 without PP).
+    /// Stage writes cover its layers' K and V slices of the block, so a chunk is complete once
+    /// `writers × pp_writers` reports arrived.
+    pub pp_writers: u32,
 }
 
 impl StagedLayout {
@@ -196,7 +200,61 @@ impl StagedLayout {
             bytes_per_head_token,
             page_size,
             writers,
+            pp_writers: 1,
         }
+    }
+
+    /// The same layout written by `pp_writers` prefill pipeline stages per writer (decode PP 1,
+    /// prefill PP `pp_writers`).
+    #[must_use]
+    pub fn with_pp_writers(mut self, pp_writers: u32) -> Self {
+        self.pp_writers = pp_writers.max(1);
+        self
+    }
+
+    /// `CHUNK_READY` reports that complete a chunk: `writers × pp_writers`.
+    pub fn reports_per_chunk(&self) -> usize {
+        self.writers.len() * self.pp_writers as usize
+    }
+
+    /// Bytes of one layer's K (or V) slice of writer `w`'s block for `pages` pages.
+    pub fn layer_bytes(&self, w: usize, pages: u64) -> u64 {
+        self.writer_bytes(w, pages) / (2 * u64::from(self.layers)).max(1)
+    }
+
+    /// The two writes of a pipeline stage holding layers `first..first + n` (global ids) of
+    /// writer `w`'s block: its gathered block at `src` is `[K first.. | V first..]` (what
+    /// [`crate::gather`] produces from the stage's `2n` buffers); the K part goes to the K slots
+    /// of those layers, the V part to their V slots. `None` when the layers or the block do not
+    /// fit the placement or the ring.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage_write_ops(
+        &self,
+        w: usize,
+        pages: u64,
+        placement: &Placement,
+        ring: (u64, u64),
+        src: u64,
+        first: u32,
+        n: u32,
+    ) -> Option<[TransferOp; 2]> {
+        let (ring_base, ring_size) = ring;
+        if w >= self.writers.len() || first.checked_add(n)? > self.layers {
+            return None;
+        }
+        let lb = self.layer_bytes(w, pages);
+        let block = placement.offset.checked_add(self.writer_offset(w, pages))?;
+        let len = lb.checked_mul(u64::from(n))?;
+        let k = block.checked_add(lb.checked_mul(u64::from(first))?)?;
+        let v = block.checked_add(lb.checked_mul(u64::from(self.layers + first))?)?;
+        let v_end = v.checked_add(len)?;
+        if v_end > placement.end || v_end > ring_size {
+            return None;
+        }
+        Some([
+            TransferOp::new(src, ring_base.checked_add(k)?, len),
+            TransferOp::new(src.checked_add(len)?, ring_base.checked_add(v)?, len),
+        ])
     }
 
     /// Bytes writer `w` stages for a chunk of `pages` pages (0 for an unknown writer).
@@ -301,6 +359,21 @@ mod tests {
         assert_eq!(l.write_op(2, 2, &p, 1 << 20, 1 << 30, 7), None);
         assert_eq!(l.write_op(1, 3, &p, 1 << 20, 1 << 30, 7), None);
         assert_eq!(l.write_op(1, 2, &p, 1 << 20, 100 + wb, 7), None);
+        // Pipeline stage holding layer 1 of 3: K slot 1 and V slot 4 of writer 1's block.
+        let lb = l.layer_bytes(1, 2);
+        assert_eq!(lb * 6, wb);
+        let [k, v] = l
+            .stage_write_ops(1, 2, &p, (1 << 20, 1 << 30), 7, 1, 1)
+            .unwrap();
+        assert_eq!(k, TransferOp::new(7, (1 << 20) + 100 + wb + lb, lb));
+        assert_eq!(
+            v,
+            TransferOp::new(7 + lb, (1 << 20) + 100 + wb + 4 * lb, lb)
+        );
+        assert_eq!(
+            l.stage_write_ops(1, 2, &p, (1 << 20, 1 << 30), 7, 2, 2),
+            None
+        );
         // 8 heads on decode TP 1, page 16: item 16 * 8 * 256.
         assert_eq!(g.bytes_per_head_token(16 * 8 * 256, 16), Some(256));
         assert_eq!(g.bytes_per_head_token(16, 0), None);

@@ -101,9 +101,9 @@ impl Link for TransportLink {
         &mut self.staging[p]
     }
 
-    fn write(&mut self, p: usize, d: usize, len: usize, ring_off: u64) -> usize {
+    fn write(&mut self, p: usize, d: usize, src_off: usize, len: usize, ring_off: u64) -> usize {
         let op = TransferOp::new(
-            self.staging[p].as_ptr() as u64,
+            self.staging[p].as_ptr() as u64 + src_off as u64,
             self.rings[d].as_ptr() as u64 + ring_off,
             len as u64,
         );
@@ -136,6 +136,7 @@ fn run(kind: &str, pt: u32, dt: u32) {
         bph: 256, // 128 dims of bf16
         page_size: 4,
         pages: 96,
+        pp: 1,
     };
     // Fragmented but distinct page lists (stride coprime with 95).
     let src = pages(80, 7, 3, shape.pages);

@@ -20,9 +20,9 @@ use kvx_staging::{
 pub trait Link {
     /// Prefill rank `p`'s staging buffer (the gather target).
     fn staging(&mut self, p: usize) -> &mut [u8];
-    /// Writes the first `len` bytes of prefill `p`'s staging buffer to decode `d`'s ring at
+    /// Writes `len` bytes at `src_off` of prefill `p`'s staging buffer to decode `d`'s ring at
     /// `ring_off`, as one write op; returns the number of ops used.
-    fn write(&mut self, p: usize, d: usize, len: usize, ring_off: u64) -> usize;
+    fn write(&mut self, p: usize, d: usize, src_off: usize, len: usize, ring_off: u64) -> usize;
     /// Decode rank `d`'s ring (the scatter source).
     fn ring(&self, d: usize) -> &[u8];
 }
@@ -67,9 +67,9 @@ impl Link for HostLink {
         self.staging[p].region_mut(base).unwrap()
     }
 
-    fn write(&mut self, p: usize, d: usize, len: usize, ring_off: u64) -> usize {
+    fn write(&mut self, p: usize, d: usize, src_off: usize, len: usize, ring_off: u64) -> usize {
         let op = TransferOp::new(
-            self.staging_base[p],
+            self.staging_base[p] + src_off as u64,
             self.ring_base[d] + ring_off,
             len as u64,
         );
@@ -99,6 +99,8 @@ pub struct Shape {
     pub page_size: u64,
     /// Pages per KV buffer on every rank.
     pub pages: u64,
+    /// Prefill pipeline stages (decode PP 1); each stage writes its layers' slices.
+    pub pp: u32,
 }
 
 impl Shape {
@@ -113,6 +115,15 @@ impl Shape {
     }
     fn buffers(&self) -> usize {
         2 * self.layers as usize
+    }
+    /// Prefill endpoints (TP rank × PP stage), the ids the decode sends to.
+    pub fn endpoints(&self) -> u32 {
+        self.pt * self.pp
+    }
+    /// Layers `[first, first + n)` of pipeline stage `st` (contiguous, near-equal split).
+    pub fn stage_layers(&self, st: u32) -> (u32, u32) {
+        let first = self.layers * st / self.pp;
+        (first, self.layers * (st + 1) / self.pp - first)
     }
 }
 
@@ -257,16 +268,23 @@ pub fn run_staged_room(
     let mut decodes: Vec<DecodeStaging<u32>> = (0..s.dt as usize)
         .map(|d| DecodeStaging::new(session(d), ring_len))
         .collect();
-    let mut prefills: Vec<PrefillStaging> = (0..s.pt).map(|_| PrefillStaging::new()).collect();
+    // One state machine per prefill endpoint e = tp_rank * pp + stage.
+    let pp = s.pp;
+    let mut prefills: Vec<PrefillStaging> =
+        (0..s.endpoints()).map(|_| PrefillStaging::new()).collect();
     let layouts: Vec<StagedLayout> = (0..s.dt)
-        .map(|d| StagedLayout::for_decode(&g, d, s.layers, s.bph, s.page_size))
+        .map(|d| StagedLayout::for_decode(&g, d, s.layers, s.bph, s.page_size).with_pp_writers(pp))
         .collect();
     for d in 0..s.dt {
         decodes[d as usize]
             .register_room(
                 room,
                 DecodeRoom {
-                    peers: g.prefill_sources(d),
+                    peers: g
+                        .prefill_sources(d)
+                        .into_iter()
+                        .flat_map(|p| (0..pp).map(move |st| p * pp + st))
+                        .collect(),
                     grid,
                     layout: layouts[d as usize].clone(),
                 },
@@ -274,12 +292,13 @@ pub fn run_staged_room(
             .unwrap();
     }
     let mut to_decode: Vec<VecDeque<ToDecode>> = (0..s.dt).map(|_| VecDeque::new()).collect();
-    let mut to_prefill: Vec<VecDeque<ToPrefill>> = (0..s.pt).map(|_| VecDeque::new()).collect();
+    let mut to_prefill: Vec<VecDeque<ToPrefill>> =
+        (0..s.endpoints()).map(|_| VecDeque::new()).collect();
     let mut stats = StagedStats::default();
     // Prefetch (before the forward pass).
-    for p in 0..s.pt {
-        for d in g.decode_targets(p) {
-            let reqs = prefills[p as usize]
+    for e in 0..s.endpoints() {
+        for d in g.decode_targets(e / pp) {
+            let reqs = prefills[e as usize]
                 .prefetch(room, &session(d as usize), &grid, None)
                 .unwrap();
             to_decode[d as usize].extend(reqs.into_iter().map(ToDecode::Req));
@@ -287,16 +306,16 @@ pub fn run_staged_room(
     }
     // The forward pass finishes every chunk; writable ones go now, the rest are parked.
     let mut ready: VecDeque<(u32, ChunkKey, kvx_staging::Placement)> = VecDeque::new();
-    for p in 0..s.pt {
-        for d in g.decode_targets(p) {
+    for e in 0..s.endpoints() {
+        for d in g.decode_targets(e / pp) {
             for k in 0..grid.num_chunks() as u32 {
                 let key = ChunkKey {
                     room,
                     chunk_idx: k,
                     session: session(d as usize),
                 };
-                match prefills[p as usize].poll(&key) {
-                    Readiness::Ready(pl) => ready.push_back((p, key, pl)),
+                match prefills[e as usize].poll(&key) {
+                    Readiness::Ready(pl) => ready.push_back((e, key, pl)),
                     Readiness::Wait => stats.waits += 1,
                     Readiness::Oversized => panic!("oversized"),
                 }
@@ -305,8 +324,9 @@ pub fn run_staged_room(
     }
     loop {
         let mut progress = false;
-        while let Some((p, key, pl)) = ready.pop_front() {
+        while let Some((e, key, pl)) = ready.pop_front() {
             progress = true;
+            let (p, stage) = (e / pp, e % pp);
             let d = (0..s.dt as usize)
                 .find(|&d| session(d) == key.session)
                 .unwrap();
@@ -323,18 +343,32 @@ pub fn run_staged_room(
                 head: slice.src_head as usize,
                 n_heads: slice.n_heads as usize,
             };
-            let len = gather(
-                &spec,
-                &cluster.prefill_kv[p as usize].all(),
-                pages,
-                link.staging(p as usize),
-            )
-            .unwrap();
-            assert_eq!(len as u64, layout.writer_bytes(w, n));
-            let op = layout.write_op(w, n, &pl, 0, ring_len, 0).unwrap();
-            let off = op.dst;
-            assert_eq!(op.len, len as u64);
-            stats.write_ops += link.write(p as usize, d, len, off) as u64;
+            // The stage's buffers: K of its layers, then V of its layers.
+            let (first, nl) = s.stage_layers(stage);
+            let all = cluster.prefill_kv[p as usize].all();
+            let l = s.layers as usize;
+            let (a, b) = (first as usize, (first + nl) as usize);
+            let bufs: Vec<&[u8]> = all[a..b]
+                .iter()
+                .chain(&all[l + a..l + b])
+                .copied()
+                .collect();
+            let len = gather(&spec, &bufs, pages, link.staging(e as usize)).unwrap();
+            if pp == 1 {
+                assert_eq!(len as u64, layout.writer_bytes(w, n));
+                let op = layout.write_op(w, n, &pl, 0, ring_len, 0).unwrap();
+                assert_eq!(op.len, len as u64);
+                stats.write_ops += link.write(e as usize, d, 0, len, op.dst) as u64;
+            } else {
+                let ops = layout
+                    .stage_write_ops(w, n, &pl, (0, ring_len), 0, first, nl)
+                    .unwrap();
+                assert_eq!(ops[0].len + ops[1].len, len as u64);
+                for op in ops {
+                    stats.write_ops +=
+                        link.write(e as usize, d, op.src as usize, op.len as usize, op.dst) as u64;
+                }
+            }
             stats.bytes += len as u64;
             to_decode[d].push_back(ToDecode::Ready(ChunkReady {
                 room,
@@ -342,7 +376,7 @@ pub fn run_staged_room(
                 page_start: start,
                 num_pages: n,
                 session: key.session.clone(),
-                prefill_unique_rank: Some(p),
+                prefill_unique_rank: Some(e),
             }));
         }
         for d in 0..s.dt as usize {
@@ -394,7 +428,7 @@ pub fn run_staged_room(
                 }
             }
         }
-        for p in 0..s.pt as usize {
+        for p in 0..s.endpoints() as usize {
             while let Some(m) = to_prefill[p].pop_front() {
                 progress = true;
                 let wakes = match m {
