@@ -252,7 +252,7 @@ impl Plan {
         }
     }
 
-    /// Number of ops.
+    /// Number of ops before coalescing (an upper bound on what [`Plan::ops`] yields).
     pub fn num_ops(&self) -> u64 {
         self.parts.iter().map(PlanPart::num_ops).sum()
     }
