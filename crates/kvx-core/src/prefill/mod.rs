@@ -208,6 +208,18 @@ impl PrefillManager {
                 self.tick(now, out);
                 Ok(())
             }
+            PrefillEvent::Fatal { reason } => {
+                self.batches.clear();
+                let rooms: Vec<Room> = self.rooms.keys().copied().collect();
+                for room in rooms {
+                    if let Some(rs) = self.rooms.get_mut(&room) {
+                        rs.inflight = 0;
+                    }
+                    self.fail(room, RoomError::Fatal(reason.clone()), true, out);
+                    self.try_release(room, out);
+                }
+                Ok(())
+            }
         }
     }
 
@@ -300,12 +312,23 @@ impl PrefillManager {
         if rs.status == KVPoll::Failed {
             return Ok(());
         }
-        let Some(aux_row) = rs.sender.and_then(|s| s.init).map(|(_, row)| row) else {
+        let Some((num_pages, aux_row)) = rs.sender.and_then(|s| s.init) else {
             let what = "sender not initialised";
             self.fail(room, RoomError::NotReady { room, what }, true, out);
             self.try_release(room, out);
             return Ok(());
         };
+        if chunk.slice.end > num_pages {
+            let err = RoomError::ChunkPastEnd {
+                room,
+                start: chunk.slice.start,
+                end: chunk.slice.end,
+                num_pages,
+            };
+            self.fail(room, err, true, out);
+            self.try_release(room, out);
+            return Ok(());
+        }
         if rs.status == KVPoll::Bootstrapping {
             let what = "metadata from every decode session";
             self.fail(room, RoomError::NotReady { room, what }, true, out);

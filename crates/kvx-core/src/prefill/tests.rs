@@ -504,6 +504,60 @@ fn bad_chunks_fail_the_room() {
 }
 
 #[test]
+fn chunk_past_sender_pages_fails() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(61);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r); // 4 pages
+    h.ev(PrefillEvent::Metadata(metadata(
+        r,
+        2,
+        Some(vec![1, 2, 3, 4, 5, 6]),
+        1,
+    )));
+    let chunk = Chunk::new(PageSlice::new(2, 6).unwrap(), vec![1, 2, 3, 4]);
+    let a = h.ev(PrefillEvent::Chunk { room: r, chunk });
+    assert!(batches(&a).is_empty());
+    assert!(matches!(
+        a.last(),
+        Some(PrefillAction::Concluded {
+            reason: Some(RoomError::ChunkPastEnd { num_pages: 4, .. }),
+            ..
+        })
+    ));
+}
+
+#[test]
+fn fatal_fails_every_open_room_and_forgets_batches() {
+    let mut h = Harness::new(PrefillConfig::default());
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    let (a_room, b_room) = (room(71), room(72));
+    for r in [a_room, b_room] {
+        h.open(r);
+        h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 1)));
+    }
+    let a = h.ev(PrefillEvent::Chunk {
+        room: a_room,
+        chunk: Chunk::new(PageSlice::new(0, 2).unwrap(), vec![3, 4]),
+    });
+    let posted = batches(&a);
+    assert_eq!(h.mgr.live_entries().batches, 1);
+    let a = h.ev(PrefillEvent::Fatal {
+        reason: "Transfer thread failed because of poisoned transport".into(),
+    });
+    assert_eq!(
+        statuses(&a),
+        vec![(endpoint(2), KVPoll::Failed), (endpoint(2), KVPoll::Failed)]
+    );
+    assert!(h.mgr.live_entries().is_empty());
+    let mut out = Vec::new();
+    assert_eq!(
+        h.mgr.handle(h.now, done(posted[0].0), &mut out),
+        Err(PrefillError::UnknownBatch(posted[0].0))
+    );
+}
+
+#[test]
 fn unique_rank() {
     let cfg = PrefillConfig {
         attn_tp_rank: 3,
@@ -539,6 +593,7 @@ enum Step {
     Abort(u64),
     LocalAbort(u64),
     Advance(u64),
+    Fatal,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -562,6 +617,7 @@ fn step() -> impl Strategy<Value = Step> {
         (1u64..5).prop_map(Step::Abort),
         (1u64..5).prop_map(Step::LocalAbort),
         (0u64..400).prop_map(Step::Advance),
+        Just(Step::Fatal),
     ]
 }
 
@@ -631,6 +687,9 @@ impl Harness {
                 endpoint: endpoint(2),
             },
             Step::LocalAbort(r) => PrefillEvent::LocalAbort { room: room(r) },
+            Step::Fatal => PrefillEvent::Fatal {
+                reason: "fatal".into(),
+            },
             Step::Advance(secs) => {
                 self.now += Duration::from_secs(secs);
                 PrefillEvent::Tick

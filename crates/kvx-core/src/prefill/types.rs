@@ -142,6 +142,13 @@ pub enum PrefillEvent {
     },
     /// Time passed (bootstrap timeouts, failed-session expiry).
     Tick,
+    /// The engine hit a fatal error (a worker died, the transport is poisoned): every open room
+    /// fails with `reason` and every non-dummy decode is told; outstanding batches are forgotten
+    /// (their completions will never come; late ones are dropped as unknown).
+    Fatal {
+        /// The inner cause, as the supervisor reports it.
+        reason: String,
+    },
 }
 
 /// Something the driver must do, in order.
@@ -311,6 +318,21 @@ pub enum RoomError {
     /// The local scheduler aborted the room.
     #[error("Aborted by AbortReq.")]
     AbortedLocally,
+    /// A chunk reaches past the page count the sender was initialised with.
+    #[error("Chunk slice {start}..{end} of {room} exceeds the sender's {num_pages} pages")]
+    ChunkPastEnd {
+        /// The room.
+        room: Room,
+        /// Slice start.
+        start: usize,
+        /// Slice end.
+        end: usize,
+        /// Pages the sender was initialised with.
+        num_pages: usize,
+    },
+    /// The engine failed as a whole (see [`PrefillEvent::Fatal`]).
+    #[error("{0}")]
+    Fatal(String),
 }
 
 impl RoomError {
