@@ -594,30 +594,23 @@ enum Step {
     LocalAbort(u64),
     Advance(u64),
     Fatal,
+    /// Open, metadata from session 2 and a last chunk, in one step.
+    Happy(u64),
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        (2u16..5).prop_map(Step::Register),
-        (1u64..5, 2u16..5, any::<bool>(), 0u32..3).prop_map(|(room, n, dummy, required)| {
-            Step::Meta {
-                room,
-                n,
-                dummy,
-                required,
-            }
-        }),
-        (1u64..5).prop_map(Step::Open),
-        (1u64..5, any::<bool>(), 0u8..3).prop_map(|(room, last, pages)| Step::Chunk {
-            room,
-            last,
-            pages
-        }),
-        (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::Done { pick, ok }),
-        (1u64..5).prop_map(Step::Abort),
-        (1u64..5).prop_map(Step::LocalAbort),
-        (0u64..400).prop_map(Step::Advance),
-        Just(Step::Fatal),
+        2 => (2u16..5).prop_map(Step::Register),
+        3 => (1u64..4, 2u16..4, prop::bool::weighted(0.2), prop::sample::select(vec![1u32, 1, 1, 2, 0]))
+            .prop_map(|(room, n, dummy, required)| Step::Meta { room, n, dummy, required }),
+        3 => (1u64..4).prop_map(Step::Open),
+        3 => (1u64..4, prop::bool::weighted(0.6), 0u8..3).prop_map(|(room, last, pages)| Step::Chunk { room, last, pages }),
+        4 => (any::<usize>(), prop::bool::weighted(0.85)).prop_map(|(pick, ok)| Step::Done { pick, ok }),
+        1 => (1u64..4).prop_map(Step::Abort),
+        1 => (1u64..4).prop_map(Step::LocalAbort),
+        2 => prop::sample::select(vec![0u64, 1, 5, 60, 301]).prop_map(Step::Advance),
+        1 => Just(Step::Fatal),
+        3 => (1u64..4).prop_map(Step::Happy),
     ]
 }
 
@@ -625,6 +618,23 @@ impl Harness {
     /// Applies a step, ignoring dropped events; returns posted batch ids.
     fn apply(&mut self, s: &Step, outstanding: &mut Vec<BatchId>) {
         let e = match *s {
+            Step::Happy(r) => {
+                let meta = Step::Meta {
+                    room: r,
+                    n: 2,
+                    dummy: false,
+                    required: 1,
+                };
+                let last = Step::Chunk {
+                    room: r,
+                    last: true,
+                    pages: 2,
+                };
+                for step in [Step::Open(r), meta, last] {
+                    self.apply(&step, outstanding);
+                }
+                return;
+            }
             Step::Register(n) => PrefillEvent::Register(registration(n, 1)),
             Step::Meta {
                 room: r,
@@ -727,6 +737,7 @@ proptest! {
     #[test]
     fn random_sequences_never_lower_status_nor_leak(steps in proptest::collection::vec(step(), 1..60)) {
         let mut h = Harness::new(PrefillConfig::default());
+        h.ev(PrefillEvent::Register(registration(2, 1)));
         let mut outstanding = Vec::new();
         let mut held: std::collections::HashMap<Room, KVPoll> = Default::default();
         for s in &steps {
