@@ -434,8 +434,9 @@ impl PrefillManager {
                 .endpoint_of(&session)
                 .cloned()
                 .unwrap_or_else(|| Endpoint::new(session.as_str(), 0));
-            self.failed
-                .insert(session, now + self.cfg.failed_session_ttl);
+            if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
+                self.failed.insert(session, until);
+            }
             let err = RoomError::Transfer {
                 room,
                 endpoint,

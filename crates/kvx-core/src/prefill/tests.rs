@@ -777,3 +777,97 @@ proptest! {
         prop_assert!(h.mgr.live_entries().is_empty(), "{:?}", h.mgr.live_entries());
     }
 }
+
+/// A registration with arbitrary network-derived contents.
+fn wild_registration() -> impl Strategy<Value = DecodeRegistration> {
+    (
+        proptest::collection::vec(any::<u64>(), 0..6),
+        proptest::collection::vec(prop_oneof![any::<u64>(), Just(AUX_D)], 0..12),
+        prop::sample::select(vec![0u64, 1, 7, 1024, 2048, u64::MAX]),
+        prop::sample::select(vec![0u32, 1, 2, 3, 8]),
+        any::<u32>(),
+        any::<bool>(),
+        proptest::collection::vec(0u32..4, 0..6),
+        proptest::collection::vec(proptest::collection::vec(any::<u64>(), 0..3), 0..2),
+    )
+        .prop_map(|(kv, aux, item, tp, rank, staged, ids, state)| {
+            let mut reg = registration(2, 1);
+            reg.kv_ptrs = kv;
+            reg.aux_ptrs = aux;
+            reg.dst_kv_item_len = item;
+            reg.dst_attn_tp_size = tp;
+            reg.dst_tp_rank = rank;
+            reg.staging.size = staged.then_some(1 << 20);
+            reg.kv_layer_ids = ids;
+            reg.state_item_lens = state.iter().map(|s| vec![8; s.len()]).collect();
+            reg.state_ptrs = state;
+            reg
+        })
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_peer_input_never_panics(
+        reg in wild_registration(),
+        kv_pages in proptest::collection::vec(any::<i32>(), 0..6),
+        aux_index in any::<i64>(),
+        state in proptest::collection::vec(proptest::collection::vec(any::<i32>(), 0..3), 0..2),
+        src_pages in proptest::collection::vec(prop_oneof![0i32..64, any::<i32>()], 0..6),
+        src_state in proptest::collection::vec(proptest::collection::vec(any::<i32>(), 0..3), 0..2),
+        slice in (0usize..8, 0usize..8),
+        staging in any::<bool>(),
+        required in 0u32..3,
+    ) {
+        let cfg = PrefillConfig {
+            attn_tp_size: 2,
+            total_kv_heads: 8,
+            staging,
+            ..PrefillConfig::default()
+        };
+        let mut mem = local();
+        mem.state = vec![crate::layout::StateComponent::new(
+            crate::layout::StateKind::Slot,
+            vec![crate::layout::Buffer::new(0x100, 8, 64)],
+        )];
+        let mut mgr = PrefillManager::new(cfg, mem);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let r = room(5);
+        let _ = mgr.handle(now, PrefillEvent::Register(reg), &mut out);
+        let _ = mgr.handle(now, PrefillEvent::SenderCreated { room: r }, &mut out);
+        let _ = mgr.handle(now, PrefillEvent::SenderInit { room: r, num_pages: 8, aux_row: 3 }, &mut out);
+        let mut meta = metadata(r, 2, Some(kv_pages), required);
+        if let Some(d) = meta.dst.as_mut() {
+            d.aux_index = aux_index;
+            d.state_indices = state;
+        }
+        let _ = mgr.handle(now, PrefillEvent::Metadata(meta), &mut out);
+        let mut chunk = Chunk::new(PageSlice { start: slice.0, end: slice.1 }, src_pages);
+        chunk.src_state = src_state;
+        chunk.is_last = true;
+        let _ = mgr.handle(now, PrefillEvent::Chunk { room: r, chunk }, &mut out);
+        let ids: Vec<BatchId> = out
+            .iter()
+            .filter_map(|a| match a {
+                PrefillAction::PostBatch { batch_id, ops, .. } => {
+                    // Everything posted lies inside the local registered memory.
+                    let local = local();
+                    for op in ops {
+                        let inside = local.kv.buffers.iter().chain(&local.aux.buffers)
+                            .chain(std::iter::once(&crate::layout::Buffer::new(0x100, 8, 64)))
+                            .any(|b| op.src >= b.addr && op.src + op.len <= b.addr + b.len.unwrap_or(0));
+                        assert!(inside, "op {op:?} reads outside local memory");
+                    }
+                    Some(*batch_id)
+                }
+                PrefillAction::Stage { batch_id, .. } => Some(*batch_id),
+                _ => None,
+            })
+            .collect();
+        for id in ids {
+            let _ = mgr.handle(now, done(id), &mut out);
+        }
+        let _ = mgr.handle(now + Duration::from_secs(301), PrefillEvent::Tick, &mut out);
+        prop_assert!(mgr.live_entries().is_empty(), "{:?}", mgr.live_entries());
+    }
+}
