@@ -49,6 +49,7 @@
 pub mod chunk;
 pub mod decode;
 pub mod layout;
+pub mod mapping;
 pub mod op;
 pub mod peer;
 pub mod planner;

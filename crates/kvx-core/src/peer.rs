@@ -74,6 +74,19 @@ impl SessionId {
     }
 }
 
+/// sglang's transfer-queue shard for a room: the sum of its decode sessions' ports modulo the
+/// queue count, so every chunk of a room (and every room with the same session set) lands on the
+/// same queue and chunks stay ordered. Sessions without a numeric port count as 0; 0 queues ⇒ 0.
+pub fn queue_shard<'a>(sessions: impl IntoIterator<Item = &'a SessionId>, queues: usize) -> usize {
+    if queues == 0 {
+        return 0;
+    }
+    let sum = sessions
+        .into_iter()
+        .fold(0u64, |acc, s| acc.wrapping_add(s.port().unwrap_or(0)));
+    (sum % queues as u64) as usize
+}
+
 impl fmt::Display for SessionId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -186,5 +199,11 @@ mod tests {
         );
         assert_eq!(SessionId::new("[fe80::1]:15234").port(), Some(15234));
         assert_eq!(SessionId::new("nocolon").port(), None);
+        let sessions = [
+            SessionId::new("10.0.0.2:15234"),
+            SessionId::new("[fe80::1]:15235"),
+        ];
+        assert_eq!(queue_shard(&sessions, 4), (15234 + 15235) % 4);
+        assert_eq!(queue_shard(&sessions, 0), 0);
     }
 }
