@@ -376,6 +376,20 @@ impl PrefillManager {
         }
         let mut posted = 0;
         for (session, work) in works {
+            if !work.aux_rows.is_empty()
+                && let Some(endpoint) = self.rooms.get(&room).and_then(|r| r.endpoint_of(&session))
+            {
+                for row in &work.aux_rows {
+                    out.push(PrefillAction::SendAuxData {
+                        room,
+                        endpoint: endpoint.clone(),
+                        index: row.index,
+                        dst_row: row.dst_row,
+                        src_addr: row.src_addr,
+                        len: row.len,
+                    });
+                }
+            }
             if let Some((src_pages, dst_pages)) = work.staged {
                 let batch_id = self.new_batch(room, &session);
                 out.push(PrefillAction::Stage {

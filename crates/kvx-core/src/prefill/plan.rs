@@ -51,6 +51,16 @@ pub(crate) struct SessionWork {
     pub plan: Plan,
     /// For the staging path: (source pages, destination pages) of the chunk's KV.
     pub staged: Option<(Vec<i32>, Vec<i32>)>,
+    /// Aux rows to send as AUX_DATA messages (last chunk, `aux_over_tcp` only).
+    pub aux_rows: Vec<AuxRow>,
+}
+
+/// One aux row sent over the control plane.
+pub(crate) struct AuxRow {
+    pub index: usize,
+    pub dst_row: u64,
+    pub src_addr: u64,
+    pub len: u64,
 }
 
 fn plan_err(room: Room, session: &SessionId) -> impl Fn(PlanError) -> RoomError + '_ {
@@ -96,6 +106,7 @@ pub(crate) fn plan_chunk(
     }
     let mut plan = Plan::new();
     let mut staged = None;
+    let mut aux_rows = Vec::new();
     match path {
         TransferPath::NoKv => {}
         TransferPath::EqualTp => {
@@ -149,8 +160,38 @@ pub(crate) fn plan_chunk(
             session: sid.clone(),
             what: "negative aux index",
         })?;
-        let aux = plan_aux(&local.aux, aux_row, &session.reg.aux_ptrs, dst_row).map_err(&err)?;
-        plan.push(PlanPart::Ops(aux));
+        if cfg.aux_over_tcp {
+            // Rows travel as AUX_DATA messages; the local rows must still be in bounds.
+            for (index, b) in local.aux.buffers.iter().enumerate() {
+                let off = aux_row.checked_mul(b.item_len);
+                let inside = off
+                    .and_then(|o| o.checked_add(b.item_len))
+                    .is_some_and(|end| b.len.is_none_or(|len| end <= len));
+                let (Some(off), true) = (off, inside) else {
+                    return Err(err(PlanError::OutOfBounds {
+                        side: crate::planner::Side::Src,
+                        buffer: index,
+                        end: u64::MAX,
+                        capacity: b.len.unwrap_or(u64::MAX),
+                    }));
+                };
+                aux_rows.push(AuxRow {
+                    index,
+                    dst_row,
+                    src_addr: b.addr + off,
+                    len: b.item_len,
+                });
+            }
+        } else {
+            let aux =
+                plan_aux(&local.aux, aux_row, &session.reg.aux_ptrs, dst_row).map_err(&err)?;
+            plan.push(PlanPart::Ops(aux));
+        }
     }
-    Ok(SessionWork { path, plan, staged })
+    Ok(SessionWork {
+        path,
+        plan,
+        staged,
+        aux_rows,
+    })
 }

@@ -558,6 +558,45 @@ fn fatal_fails_every_open_room_and_forgets_batches() {
 }
 
 #[test]
+fn aux_rows_over_tcp() {
+    let cfg = PrefillConfig {
+        aux_over_tcp: true,
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    let r = room(81);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![4]).last(),
+    });
+    assert!(matches!(a[0], PrefillAction::FillRoomRow { .. }));
+    let rows: Vec<(usize, u64, u64, u64)> = a
+        .iter()
+        .filter_map(|x| match x {
+            PrefillAction::SendAuxData {
+                index,
+                dst_row,
+                src_addr,
+                len,
+                ..
+            } => Some((*index, *dst_row, *src_addr, *len)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rows.len(), 10);
+    assert_eq!(rows[9], (9, 7, AUX_P + (9 << 20) + 3 * 64, 64));
+    // Only the KV batch is written; Success follows its completion.
+    let b = batches(&a);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].1.len(), 4);
+    let a = h.ev(done(b[0].0));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Success)]);
+}
+
+#[test]
 fn unique_rank() {
     let cfg = PrefillConfig {
         attn_tp_rank: 3,

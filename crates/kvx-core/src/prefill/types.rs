@@ -38,6 +38,8 @@ pub struct PrefillConfig {
     pub batch_limits: BatchLimits,
     /// Staging enabled on this prefill (used towards decodes that advertise a ring).
     pub staging: bool,
+    /// Send aux rows as `AUX_DATA` messages instead of writes (`SGLANG_MOONCAKE_SEND_AUX_TCP`).
+    pub aux_over_tcp: bool,
 }
 
 impl Default for PrefillConfig {
@@ -54,6 +56,7 @@ impl Default for PrefillConfig {
             failed_session_ttl: DEFAULT_FAILED_SESSION_TTL,
             batch_limits: BatchLimits::default(),
             staging: false,
+            aux_over_tcp: false,
         }
     }
 }
@@ -191,6 +194,23 @@ pub enum PrefillAction {
         src_pages: Vec<i32>,
         /// Destination pages.
         dst_pages: Vec<i32>,
+    },
+    /// Send one `AUX_DATA` message: the `len` bytes of the local row at `src_addr` for aux buffer
+    /// `index`, to be written at decode row `dst_row`. Emitted before the room's status, on the
+    /// same socket as the status, so it arrives first.
+    SendAuxData {
+        /// The room.
+        room: Room,
+        /// The decode's inbox.
+        endpoint: Endpoint,
+        /// Aux buffer index.
+        index: usize,
+        /// Decode aux row.
+        dst_row: u64,
+        /// Local address of the row.
+        src_addr: u64,
+        /// Row length (frame 4).
+        len: u64,
     },
     /// Send a status message (`[room, status, prefill_rank]`).
     SendStatus {
