@@ -8,11 +8,12 @@
 //! Everything here is deterministic: no I/O, no clocks, no threads.
 //! - [`ring`]: the decode's overcommitting ring allocator and its [`Watermark`];
 //! - [`decode`]: the decode-side state machine (allocation per chunk, arrivals, scatter jobs,
-//!   subscribers tied to rooms);
+//!   subscribers tied to rooms, aborted rooms' regions fenced until the prefill confirms);
 //! - [`prefill`]: the prefill-side state machine (prefetch keys, per-session watermarks, a
 //!   scheduler that parks and wakes chunks);
 //! - [`grid`]: the chunk grid both sides cut from the decode prefix;
-//! - [`heads`]: TP geometry (which heads go where) and the writers' layout of a chunk region;
+//! - [`heads`]: TP geometry (which heads go where) and the writers' layout of a chunk region
+//!   (TP writers, prefill pipeline stages, the write ops of a block);
 //! - [`copy`]: gather and scatter on host memory; [`host`]: a checked op executor for tests;
 //! - [`msg`]: plain forms of `STAGING_REQ`, `STAGING_RSP`, `WATERMARK`, `CHUNK_READY`.
 //!
