@@ -14,6 +14,32 @@
 //! each PUSH, and sends must be totally ordered per endpoint. A plain thread that owns the
 //! sockets keeps all of that in one place, never blocks the tokio runtime, and costs one thread
 //! per inbox/outbox. IPv6 endpoints (`tcp://[::1]:p`) get `ZMQ_IPV6` on both sides.
+//!
+//! ```
+//! use kvx_bootstrap::codec::{DecodeInbound, TransferStatus};
+//! use kvx_bootstrap::sockets::{zmq, Inbox, InboxConfig, InboxKind, PushCache, PushOptions};
+//! use kvx_core::{KVPoll, Room};
+//!
+//! let ctx = zmq::Context::new();
+//! // A decode rank's inbox on a random port; a prefill rank's cached PUSH toward it.
+//! let mut inbox = Inbox::bind(&ctx, InboxConfig::new("127.0.0.1", InboxKind::Decode))?;
+//! let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 1024);
+//!
+//! push.send(inbox.endpoint(), &[b"not a status".as_slice()])?; // dropped and counted
+//! let status = TransferStatus {
+//!     room: Room::new(42).unwrap(),
+//!     status: KVPoll::Success,
+//!     prefill_rank: 0,
+//!     reason: None,
+//! };
+//! push.send(inbox.endpoint(), &status.encode())?;
+//!
+//! let msg = inbox.blocking_recv().expect("inbox open");
+//! let DecodeInbound::Status(got) = DecodeInbound::parse(msg.frames())? else { unreachable!() };
+//! assert_eq!(got, status);
+//! assert_eq!(inbox.stats().dropped(), 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod error;
 mod frame;

@@ -176,6 +176,7 @@ async fn get_route(
     let mut vals = [0i64; 4];
     for (slot, name) in vals.iter_mut().zip(names) {
         let Some(raw) = params.get(name).filter(|v| !v.is_empty()) else {
+            tracing::debug!(param = name, "GET /route without a required parameter");
             metrics::counter!("kvx_bootstrap_http_rejected_total", "route" => "/route", "reason" => "missing inputs")
                 .increment(1);
             return text(
