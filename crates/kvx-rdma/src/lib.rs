@@ -6,8 +6,8 @@
 //! ([`kvx_core::TransferOp`]: local src, remote dst, len), each completing once with one result.
 //!
 //! Backends: `tcp` (the default, kvx's own framed protocol, see `docs/tcp-transport.md`),
-//! `local` (same process: memcpy into the peer's registered memory), and `verbs` (RDMA, cargo
-//! feature `verbs`).
+//! `local` (same process or same host through `/dev/shm`: memcpy into the peer's registered
+//! memory), and `verbs` (RDMA, cargo feature `verbs`).
 //!
 //! ```
 //! use kvx_rdma::{RegionDesc, RegionKey, SegmentDescriptor};
@@ -27,6 +27,7 @@ pub mod error;
 pub mod local;
 pub mod mem;
 pub mod segment;
+pub mod shm;
 pub mod tcp;
 pub mod transport;
 #[cfg(feature = "verbs")]
@@ -35,5 +36,6 @@ pub mod verbs;
 pub use error::{RejectReason, TransportError};
 pub use local::LocalTransport;
 pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
+pub use shm::ShmRegion;
 pub use tcp::{TcpConfig, TcpTransport};
 pub use transport::{BatchReport, BoxFuture, Session, Transport, write_to};

@@ -87,3 +87,103 @@ async fn unknown_and_vanished_peers() {
     // The name is free again.
     LocalTransport::new("vanish-b").unwrap();
 }
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The receiving process of `same_host_peer_in_another_process` (run by that test).
+#[test]
+#[ignore = "child process of same_host_peer_in_another_process"]
+fn host_peer_child() {
+    use std::io::BufRead;
+    let name = std::env::var("KVX_LOCAL_CHILD").unwrap();
+    let t = LocalTransport::new(&name).unwrap();
+    let shm = Arc::new(kvx_rdma::ShmRegion::create(&format!("{name}-mem"), 1 << 20).unwrap());
+    t.register_shm(shm.clone()).unwrap();
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "READY {}", shm.addr()).unwrap();
+        out.flush().unwrap();
+    }
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    // SAFETY: the mapping is alive (held by `shm`) and the peer finished writing.
+    let mem = unsafe { std::slice::from_raw_parts(shm.addr() as usize as *const u8, shm.len()) };
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "SUM {:x}", fnv(mem)).unwrap();
+        out.flush().unwrap();
+    }
+}
+
+#[tokio::test]
+async fn same_host_peer_in_another_process() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    let name = format!("kvx-hosttest-{}", std::process::id());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "host_peer_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVX_LOCAL_CHILD", &name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut field = |prefix: &str| -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "child exited early");
+            // The harness may print "test ... " on the same line first.
+            if let Some((_, v)) = line.trim().split_once(prefix) {
+                return v.to_owned();
+            }
+        }
+    };
+    let base: u64 = field("READY ").parse().unwrap();
+
+    let me = LocalTransport::new(&format!("{name}-sender")).unwrap();
+    let mut src: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 % 255) as u8).collect();
+    register(&*me, &mut src);
+    let s = src.as_ptr() as u64;
+    let session = me.connect(&format!("local:{name}")).await.unwrap();
+    assert_eq!(session.remote().regions.len(), 1);
+    assert_eq!(session.remote().regions[0].base, base);
+    let r = session
+        .write_batch(vec![TransferOp::new(s, base + (1 << 20) - 10, 11)])
+        .await;
+    assert!(
+        matches!(r, Err(TransportError::RemoteNotRegistered { .. })),
+        "{r:?}"
+    );
+    let ops = vec![
+        TransferOp::new(s, base + 4096, 4096),
+        TransferOp::new(s + 10_000, base + 100_000, 900_000),
+    ];
+    session.write_batch(ops).await.unwrap();
+    let mut expect = vec![0u8; 1 << 20];
+    expect[4096..8192].copy_from_slice(&src[..4096]);
+    expect[100_000..1_000_000].copy_from_slice(&src[10_000..910_000]);
+
+    child.stdin.as_mut().unwrap().write_all(b"CHECK\n").unwrap();
+    let sum = field("SUM ");
+    assert_eq!(sum, format!("{:x}", fnv(&expect)));
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    // The peer process is gone: the session says so and refuses to write.
+    assert!(!session.is_alive());
+    let r = session.write_batch(vec![TransferOp::new(s, base, 1)]).await;
+    assert!(matches!(r, Err(TransportError::PeerLost { .. })), "{r:?}");
+    assert!(me.connect(&format!("local:{name}")).await.is_err());
+}
