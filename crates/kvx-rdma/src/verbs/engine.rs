@@ -56,6 +56,8 @@ pub struct VerbsConfig {
     pub max_wr_bytes: u32,
     /// Limit for connecting and handshaking.
     pub handshake_timeout: Duration,
+    /// Most work requests queued or in flight per session before `write_batch` waits.
+    pub max_queued_wrs: u32,
 }
 
 impl Default for VerbsConfig {
@@ -68,6 +70,7 @@ impl Default for VerbsConfig {
             sched: SchedConfig::default(),
             max_wr_bytes: 2 << 20,
             handshake_timeout: Duration::from_secs(5),
+            max_queued_wrs: 1 << 16,
         }
     }
 }
@@ -206,6 +209,7 @@ impl VerbsTransport {
                 remote_desc,
                 limits,
                 sched,
+                max_queued_wrs: self.cfg.max_queued_wrs,
             },
         ))
     }

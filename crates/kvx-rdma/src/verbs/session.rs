@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use kvx_core::TransferOp;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use super::cq::Wc;
 use super::error::{VerbsError, WC_SUCCESS, WC_WR_FLUSH_ERR, wc_status_name};
@@ -91,6 +91,7 @@ enum Cmd {
         plan: WritePlan,
         ops: u64,
         reply: Reply,
+        permit: OwnedSemaphorePermit,
     },
 }
 
@@ -110,6 +111,9 @@ pub struct SessionParts {
     pub limits: Limits,
     /// Scheduler configuration.
     pub sched: SchedConfig,
+    /// Most work requests queued or in flight in this session; `write_batch` waits for room
+    /// beyond that (backpressure). A larger batch waits for the session to drain.
+    pub max_queued_wrs: u32,
 }
 
 /// The [`Session`] handle of one peer.
@@ -121,6 +125,8 @@ pub struct VerbsSession {
     limits: Limits,
     alive: Arc<AtomicBool>,
     tx: mpsc::UnboundedSender<Cmd>,
+    room: Arc<Semaphore>,
+    max_queued: u32,
 }
 
 impl std::fmt::Debug for VerbsSession {
@@ -138,7 +144,10 @@ impl VerbsSession {
         let (tx, rx) = mpsc::unbounded_channel();
         let alive = Arc::new(AtomicBool::new(true));
         let qpns = path.qpns();
+        let max_queued = parts.max_queued_wrs.max(1);
+        let room = Arc::new(Semaphore::new(max_queued as usize));
         let task = SessionTask {
+            room: room.clone(),
             peer: parts.peer.clone(),
             path,
             ctrl: parts.ctrl,
@@ -156,6 +165,8 @@ impl VerbsSession {
             limits: parts.limits,
             alive,
             tx,
+            room,
+            max_queued,
         })
     }
 
@@ -181,25 +192,46 @@ impl Session for VerbsSession {
         let peer = self.peer.clone();
         let planned = plan_writes(&ops, &self.local.local_regions(), &self.remote, self.limits);
         let n_ops = ops.len() as u64;
-        let sent = planned.map(|plan| {
+        let plan = match planned {
+            Ok(plan) => plan,
+            Err(e) => {
+                metrics::counter!("kvx_verbs_batch_errors_total", "kind" => e.label()).increment(1);
+                tracing::debug!(%peer, error = %e, "verbs batch refused before posting");
+                return Box::pin(std::future::ready(Err(to_transport_error(e, &peer))));
+            }
+        };
+        let want = (plan.wrs.len() as u32).min(self.max_queued);
+        let submit = move |tx: &mpsc::UnboundedSender<Cmd>, plan, permit| {
             let (reply, rx) = oneshot::channel();
             let cmd = Cmd::Submit {
                 plan,
                 ops: n_ops,
                 reply,
+                permit,
             };
-            (self.tx.send(cmd).is_ok(), rx)
-        });
+            tx.send(cmd).ok().map(|()| rx)
+        };
+        // submit at once when there is room (the common case), else wait for room
+        let (tx, room) = (self.tx.clone(), self.room.clone());
+        let early = match room.clone().try_acquire_many_owned(want) {
+            Ok(permit) => Some(submit(&tx, plan, permit)),
+            Err(_) => {
+                let late = async move {
+                    let permit = room
+                        .acquire_many_owned(want)
+                        .await
+                        .map_err(|_| TransportError::Closed)?;
+                    submit(&tx, plan, permit).ok_or(TransportError::Closed)
+                };
+                return Box::pin(async move {
+                    late.await?.await.unwrap_or(Err(TransportError::Closed))
+                });
+            }
+        };
         Box::pin(async move {
-            match sent {
-                Err(e) => {
-                    metrics::counter!("kvx_verbs_batch_errors_total", "kind" => e.label())
-                        .increment(1);
-                    tracing::debug!(%peer, error = %e, "verbs batch refused before posting");
-                    Err(to_transport_error(e, &peer))
-                }
-                Ok((false, _)) => Err(TransportError::Closed),
-                Ok((true, rx)) => rx.await.unwrap_or(Err(TransportError::Closed)),
+            match early.flatten() {
+                Some(rx) => rx.await.unwrap_or(Err(TransportError::Closed)),
+                None => Err(TransportError::Closed),
             }
         })
     }
@@ -213,9 +245,12 @@ struct OpenBatch {
     plan: WritePlan,
     ops: u64,
     reply: Reply,
+    /// Room in the session's queue, released when the batch is answered.
+    _permit: OwnedSemaphorePermit,
 }
 
 struct SessionTask<P> {
+    room: Arc<Semaphore>,
     peer: String,
     path: P,
     ctrl: TcpStream,
@@ -233,7 +268,7 @@ impl<P: SendPath> SessionTask<P> {
             tokio::select! {
                 cmd = rx.recv() => match cmd {
                     None => break VerbsError::Closed,
-                    Some(Cmd::Submit { plan, ops, reply }) => self.submit(plan, ops, reply),
+                    Some(Cmd::Submit { plan, ops, reply, permit }) => self.submit(plan, ops, reply, permit),
                 },
                 r = self.path.next_completions(&mut wcs) => {
                     if let Err(e) = r {
@@ -267,6 +302,7 @@ impl<P: SendPath> SessionTask<P> {
             self.post_ready();
         };
         self.alive.store(false, Ordering::Release);
+        self.room.close();
         let done = self.sched.close(reason);
         self.deliver(done);
         rx.close();
@@ -275,11 +311,19 @@ impl<P: SendPath> SessionTask<P> {
         }
     }
 
-    fn submit(&mut self, plan: WritePlan, ops: u64, reply: Reply) {
+    fn submit(&mut self, plan: WritePlan, ops: u64, reply: Reply, permit: OwnedSemaphorePermit) {
         let id = self.next_id;
         self.next_id += 1;
         let n = plan.wrs.len() as u32;
-        self.batches.insert(id, OpenBatch { plan, ops, reply });
+        self.batches.insert(
+            id,
+            OpenBatch {
+                plan,
+                ops,
+                reply,
+                _permit: permit,
+            },
+        );
         if let Some(done) = self.sched.submit(id, n) {
             self.deliver(vec![done]);
         }

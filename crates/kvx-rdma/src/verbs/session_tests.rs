@@ -186,6 +186,7 @@ async fn fixture<P: SendPath>(nic: P, posts: Arc<AtomicUsize>, sched: SchedConfi
                 max_wr_bytes: 64 << 10,
             },
             sched,
+            max_queued_wrs: 64,
         },
     );
     Fixture {
@@ -388,4 +389,35 @@ async fn peer_closing_its_connection_fails_open_batches() {
     let ops = batch(&other, 2);
     other.session.write_batch(ops.clone()).await.unwrap();
     verify(&other, &ops);
+}
+
+#[tokio::test]
+async fn backpressure_admits_batches_larger_than_the_queue() {
+    // 64 work requests may be queued (fixture); this batch alone needs 128 (one per op: the
+    // destinations are not contiguous), in the first half of the destination
+    let f = sim_fixture(SimNic::new(2)).await;
+    let ops: Vec<TransferOp> = (0..128)
+        .map(|i| {
+            TransferOp::new(
+                f.src.as_ptr() as u64 + (i * 4096) as u64,
+                f.dst.as_ptr() as u64 + ((127 - i) * 4096) as u64,
+                2048,
+            )
+        })
+        .collect();
+    // other batches into the second half meanwhile
+    let small: Vec<_> = (8..16).map(|k| batch(&f, k)).collect();
+    let big = f.session.write_batch(ops.clone());
+    let rest: Vec<_> = small
+        .iter()
+        .map(|o| f.session.write_batch(o.clone()))
+        .collect();
+    big.await.unwrap();
+    for r in rest {
+        r.await.unwrap();
+    }
+    verify(&f, &ops);
+    for o in &small {
+        verify(&f, o);
+    }
 }
