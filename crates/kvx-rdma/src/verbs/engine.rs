@@ -46,6 +46,9 @@ pub struct VerbsConfig {
     /// Where to listen for queue-pair handshakes (`"0.0.0.0:17100"`); `None` for a send-only
     /// side.
     pub listen: Option<String>,
+    /// Endpoint to advertise instead of the bound address (e.g. the routable IP when listening
+    /// on `0.0.0.0`).
+    pub advertise: Option<String>,
     /// Queue pairs per peer.
     pub qps_per_peer: usize,
     /// Queue-pair sizing.
@@ -65,6 +68,7 @@ impl Default for VerbsConfig {
         VerbsConfig {
             device: DeviceConfig::default(),
             listen: None,
+            advertise: None,
             qps_per_peer: 2,
             qp: QpConfig::default(),
             sched: SchedConfig::default(),
@@ -115,7 +119,7 @@ impl VerbsTransport {
                     .local_addr()
                     .map_err(|e| VerbsError::verbs("local_addr", e))?;
                 tokio::spawn(accept_loop(listener, dev.clone(), cfg.clone(), stop));
-                local.to_string()
+                cfg.advertise.clone().unwrap_or_else(|| local.to_string())
             }
         };
         Ok(VerbsTransport {
