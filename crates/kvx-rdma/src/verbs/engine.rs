@@ -564,6 +564,28 @@ mod tests {
         ));
     }
 
+    proptest::proptest! {
+        /// Whatever a peer sends, reading its hello ends in a value or a typed error.
+        #[test]
+        fn recv_handshake_never_panics(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            from_server in proptest::prelude::any::<bool>(),
+            valid_prefix in proptest::prelude::any::<bool>(),
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            rt.block_on(async {
+                let (mut a, mut b) = tokio::io::duplex(4096);
+                if valid_prefix {
+                    let flags = if from_server { HELLO_OK } else { HELLO_FLAG_VERBS };
+                    a.write_all(&hello(flags, bytes.len() as u32)).await.unwrap();
+                }
+                a.write_all(&bytes).await.unwrap();
+                drop(a);
+                let _ = recv_handshake(&mut b, from_server).await;
+            });
+        }
+    }
+
     #[tokio::test]
     async fn open_without_device_is_a_typed_error() {
         // on a host with a device this opens it; either way it must not panic
