@@ -58,8 +58,9 @@ pub struct ModelArgs {
     pub kv_cache_dtype: String,
 }
 
-/// Flags of `kvx prefill`.
+/// Flags of `kvx prefill` (a repeated flag: the last one wins).
 #[derive(Clone, Debug, Args)]
+#[command(args_override_self = true)]
 pub struct PrefillArgs {
     /// Synthetic model.
     #[command(flatten)]
@@ -112,8 +113,9 @@ pub struct PrefillArgs {
     pub backend: String,
 }
 
-/// Flags of `kvx decode`.
+/// Flags of `kvx decode` (a repeated flag: the last one wins).
 #[derive(Clone, Debug, Args)]
+#[command(args_override_self = true)]
 pub struct DecodeArgs {
     /// Synthetic model (must match the prefill's).
     #[command(flatten)]
@@ -189,8 +191,9 @@ pub struct BootstrapArgs {
     pub port: u16,
 }
 
-/// Flags of `kvx demo`.
+/// Flags of `kvx demo` (a repeated flag: the last one wins).
 #[derive(Clone, Debug, Args)]
+#[command(args_override_self = true)]
 pub struct DemoArgs {
     /// Synthetic model.
     #[command(flatten)]

@@ -349,6 +349,12 @@ impl PrefillEngine {
         Ok(())
     }
 
+    /// Fails a room from the sender side (its decodes get status 0).
+    pub fn fail_room(&self, room: Room, reason: String) {
+        let actions = lock(&self.shared.table).fail(room, reason);
+        self.shared.apply(actions);
+    }
+
     /// The room's status, `None` when unknown (or already cleared).
     pub fn poll(&self, room: Room) -> Option<KVPoll> {
         lock(&self.shared.table).poll(room)

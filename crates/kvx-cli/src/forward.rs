@@ -68,7 +68,7 @@ impl SyntheticModel {
             while let Some(&(room, n)) = waiting.front() {
                 if n >= self.layout.pool_pages as usize {
                     waiting.pop_front();
-                    tracing::warn!(%room, pages = n, "room larger than the whole pool, dropped");
+                    engine.fail_room(room, format!("room needs {n} pages, the pool has fewer"));
                     continue;
                 }
                 let Some(row) = rows.last().copied() else {

@@ -62,7 +62,8 @@ fn two_decodes_every_byte_verified() {
 #[test]
 fn killed_decode_fails_its_rooms_only() {
     let port = free_port();
-    let _prefill = start_prefill(port, &[], &[]);
+    // A small prefill pool: one room transfers at a time, the decode's others stay open.
+    let prefill = start_prefill(port, &["--pool-pages", "40"], &[("RUST_LOG", "info")]);
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
     // A decode that would run for a long time, killed once transfers to it are under way.
@@ -73,21 +74,38 @@ fn killed_decode_fails_its_rooms_only() {
             "--requests",
             "1000000",
             "--prompt-tokens",
-            "2000",
+            "500",
             "--concurrency",
             "8",
         ],
     );
-    wait_until(GUARD, "transfers started", || {
-        http_get(port, "/metrics")
-            .is_some_and(|(_, m)| metric_sum(&m, "kvx_transfer_batches_total") >= 20.0)
-    });
+    let t0 = std::time::Instant::now();
+    while !http_get(port, "/metrics").is_some_and(|(_, m)| {
+        metric_sum(&m, "kvx_transfer_batches_total") >= 20.0
+            && metric_sum(&m, "kvx_room_entries") >= 2.0
+    }) {
+        if t0.elapsed() > Duration::from_secs(20) {
+            let m = http_get(port, "/metrics").map(|x| x.1).unwrap_or_default();
+            panic!(
+                "hang guard: transfers never started\n{m}\n{}\n{}",
+                prefill.stderr_now(),
+                victim.stderr_now()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     victim.child().kill().unwrap();
     victim.child().wait().unwrap();
-    wait_until(GUARD, "rooms of the dead decode failed", || {
-        http_get(port, "/metrics")
-            .is_some_and(|(_, m)| metric_sum(&m, "kvx_room_failures_total") >= 1.0)
-    });
+    let t0 = std::time::Instant::now();
+    while !http_get(port, "/metrics")
+        .is_some_and(|(_, m)| metric_sum(&m, "kvx_room_failures_total") >= 1.0)
+    {
+        if t0.elapsed() > Duration::from_secs(15) {
+            let (_, m) = http_get(port, "/metrics").unwrap();
+            panic!("no room failed\n{m}\n{}", prefill.stderr_now());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Its open rooms are failed and dropped: nothing of them stays on the prefill.
     wait_until(GUARD, "per-room entries gone", || {
         http_get(port, "/metrics").is_some_and(|(_, m)| metric_sum(&m, "kvx_room_entries") == 0.0)

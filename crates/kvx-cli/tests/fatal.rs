@@ -16,7 +16,12 @@ fn fatal_fault_fails_every_open_room_and_exits_70() {
     let prefill = start_prefill(
         port,
         &[],
-        &[("FAILPOINTS", "kvx::transfer_worker::batch=return(boom)")],
+        &[(
+            "FAILPOINTS",
+            // The first batch waits a second (every room's metadata arrives meanwhile) and
+            // goes through; the second one is a fatal fault.
+            "kvx::transfer_worker::batch=1*sleep(1000)->return(boom)",
+        )],
     );
     let dir = tempfile::tempdir().unwrap();
     let s = dir.path().join("s.json");

@@ -106,6 +106,11 @@ impl Proc {
         }
     }
 
+    /// What the process wrote to stderr so far.
+    pub fn stderr_now(&self) -> String {
+        String::from_utf8_lossy(&self.err.lock().unwrap()).into_owned()
+    }
+
     pub fn child(&mut self) -> &mut Child {
         self.child.as_mut().unwrap()
     }
