@@ -4,7 +4,8 @@
 //!   Python venv for the interop peers), then runs `cargo fmt --check`, clippy with `-D warnings`,
 //!   every test of the workspace (nextest when present, doc tests too).
 //! - `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target for a bounded time.
-//! - `cargo xtask bench [transport]`: the benchmarks anyone can rerun.
+//! - `cargo xtask bench [transport|e2e]`: the benchmarks anyone can rerun, and whole rooms end to
+//!   end; writes `target/kvx-report/report.md`.
 //! - `cargo xtask integration`: multi-process fault runs.
 
 use std::path::{Path, PathBuf};
@@ -40,9 +41,10 @@ enum Cmd {
         #[arg(long, default_value_t = 30)]
         seconds: u64,
     },
-    /// Run the benchmarks (`transport` for the transport table only).
+    /// Run the benchmarks (`transport` for the transport table only, `e2e` for whole rooms
+    /// only), then write `target/kvx-report/report.md`.
     Bench {
-        /// Which benchmark group; all when absent.
+        /// Which benchmark group (`e2e`: whole rooms end to end); all when absent.
         what: Option<String>,
     },
     /// Multi-process and multi-host fault scenarios with real `kvx` processes.
@@ -63,8 +65,22 @@ fn main() -> Result<()> {
         Cmd::Setup => setup::ensure_all(&root),
         Cmd::Fuzz { seconds } => fuzz(&root, seconds),
         Cmd::Bench { what } => {
-            let r = bench(what.as_deref());
+            let r = if what.as_deref() == Some("e2e") {
+                Ok(())
+            } else {
+                bench(what.as_deref())
+            };
             bench_report(&root);
+            if what.is_none() || what.as_deref() == Some("e2e") {
+                match integration::e2e::run(&root) {
+                    Ok(part) => {
+                        if let Err(e) = report::write_part(&root, "bench-e2e", &part) {
+                            eprintln!("xtask: writing the e2e report: {e:#}");
+                        }
+                    }
+                    Err(e) => return Err(e.context("end-to-end rooms")),
+                }
+            }
             r
         }
         Cmd::Integration(opts) => integration::run(&root, &opts),

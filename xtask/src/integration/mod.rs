@@ -6,6 +6,7 @@
 //! Ctrl-C, every process group it started is killed. Scenarios whose support is missing from the
 //! binary print `SKIP <name>: <reason>`; they are counted apart, never as passes.
 
+pub mod e2e;
 pub mod kvx;
 pub mod metrics;
 pub mod netns;
@@ -123,6 +124,19 @@ fn install_signal_handlers() {
 }
 
 impl Ctx {
+    /// A context on loopback outside any scenario run (for the end-to-end benchmark); its
+    /// processes die with their handles.
+    pub fn loopback(kvx: kvx::Kvx, logs: PathBuf) -> Ctx {
+        Ctx {
+            profile: Profile::Short,
+            kvx: Ok(kvx),
+            net: Arc::new(Net::Loopback),
+            logs,
+            latencies_ms: Vec::new(),
+            pgids: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
     /// The binary, or a SKIP-worthy reason.
     pub fn kvx(&self) -> Result<&kvx::Kvx, String> {
         self.kvx.as_ref().map_err(Clone::clone)
@@ -476,7 +490,12 @@ fn write_report(
         .iter()
         .filter(|o| !o.latencies_ms.is_empty())
         .collect();
-    if !with_lat.is_empty() {
+    if with_lat.is_empty() {
+        part.para(
+            "No room-latency CDF: the decode summaries of this run list no per-room latencies \
+             (`latencies_ms`); the p50/p99 in the figures above come from the summaries.",
+        );
+    } else {
         part.heading(3, "Room latency");
         let mut rows = Vec::new();
         let mut plot = svg::LinePlot::new(

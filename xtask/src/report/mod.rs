@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 /// Order of the known parts in the report; others follow alphabetically.
-const ORDER: &[&str] = &["integration", "bench"];
+const ORDER: &[&str] = &["integration", "bench-e2e", "bench"];
 
 /// The report folder: `$CARGO_TARGET_DIR/kvx-report`, else `<root>/target/kvx-report`.
 pub fn report_dir(root: &Path) -> PathBuf {

@@ -2,10 +2,12 @@
 //! it needs (subcommands, flags) and says SKIP with the missing pieces otherwise.
 
 mod basic;
-mod common;
+pub(crate) mod common;
 mod faults;
 mod flood;
 mod net;
+
+pub use common::Summary;
 
 use super::{Ctx, Scenario, Verdict};
 

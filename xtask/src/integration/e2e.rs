@@ -1,0 +1,413 @@
+//! Whole rooms end to end for `cargo xtask bench`: Llama-3-8B and DeepSeek-V3 (MLA) through
+//! `kvx demo` (bootstrap, one prefill rank and one decode over loopback TCP in one process), and
+//! Llama-3-70B at TP 8 as 17 processes (bootstrap, 8 prefill ranks, 8 decode ranks), at 4k, 8k and
+//! 32k tokens, every byte verified, each beside the plain link test (`kvx send` into
+//! `kvx recv`) moving the same bytes in the same run. Sizes that do not fit in half of the
+//! available memory are left out with the reason, as are runs that fail.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use super::proc::Proc;
+use super::scenarios::Summary;
+use super::scenarios::common::{self, DecodeOpts, Model, PrefillOpts};
+use super::{Ctx, kvx::Kvx};
+use crate::report::Part;
+use crate::report::svg::{self, LinePlot, Series};
+
+/// A model shape of the run.
+struct Shape {
+    label: &'static str,
+    preset: &'static str,
+    tp: u32,
+    /// KV bytes per token on one rank (for the memory guard only; figures come from the run).
+    bytes_per_token: u64,
+}
+
+const SHAPES: &[Shape] = &[
+    Shape {
+        label: "Llama-3-8B TP1",
+        preset: "llama3-8b",
+        tp: 1,
+        bytes_per_token: 32 * 2 * 8 * 128 * 2,
+    },
+    Shape {
+        label: "Llama-3-70B TP8 (8 ranks)",
+        preset: "llama3-70b",
+        tp: 8,
+        bytes_per_token: 80 * 2 * 128 * 2,
+    },
+    Shape {
+        label: "DeepSeek-V3 MLA",
+        preset: "deepseek-v3",
+        tp: 1,
+        bytes_per_token: 61 * 576 * 2,
+    },
+];
+
+const TOKENS: &[u64] = &[4096, 8192, 32768];
+
+/// One measured point.
+struct Row {
+    shape: &'static str,
+    tokens: u64,
+    room_bytes: f64,
+    summary: Summary,
+    baseline_gbps: Option<f64>,
+}
+
+fn mem_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+/// Builds the release binary (no failpoints: these are the figures a user would see).
+fn build_release(root: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    crate::run(Command::new(cargo).current_dir(root).args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "kvx-cli",
+    ]))?;
+    let bin = crate::report::report_dir(root)
+        .parent()
+        .map(|t| t.join("release").join("kvx"))
+        .context("no target dir")?;
+    if !bin.exists() {
+        bail!("built, but {} is missing", bin.display());
+    }
+    Ok(bin)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(25201)
+}
+
+/// The plain link test moving `mib` MiB in 1 MiB writes; GB/s.
+fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut recv = Command::new(bin);
+    recv.args(["recv", "--listen", &addr]);
+    let mut r = Proc::spawn("link-recv", recv, logs)?;
+    if !r.wait_for_log("listening", Duration::from_secs(30)) {
+        bail!("kvx recv not listening: {}", r.log_tail(3));
+    }
+    let mut send = Command::new(bin);
+    send.args([
+        "send",
+        "--to",
+        &addr,
+        "--no-progress",
+        "--total-mib",
+        &mib.to_string(),
+    ]);
+    let mut s = Proc::spawn("link-send", send, logs)?;
+    let st = s
+        .wait_timeout(Duration::from_secs(300))
+        .context("kvx send did not finish in 300 s")?;
+    if !st.success() {
+        bail!("kvx send failed: {}", s.log_tail(3));
+    }
+    let text = s.log_text();
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_end().ends_with("GB/s"))
+        .context("no GB/s line from kvx send")?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words
+        .iter()
+        .rev()
+        .nth(1)
+        .and_then(|w| w.parse().ok())
+        .context("unreadable GB/s figure")
+}
+
+fn demo(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Result<Summary> {
+    let pool = tokens.div_ceil(16) + 64;
+    let summary = logs.join(format!("demo-{}-{tokens}.json", shape.preset));
+    let _ = std::fs::remove_file(&summary);
+    let mut cmd = Command::new(bin);
+    cmd.args(["demo", "--model", shape.preset])
+        .args(["--tp-size", &shape.tp.to_string()])
+        .args(["--prompt-tokens", &tokens.to_string()])
+        .args(["--rooms", &rooms.to_string(), "--concurrency", "1"])
+        .args(["--pool-pages", &pool.to_string()])
+        .arg("--summary-json")
+        .arg(&summary);
+    let mut p = Proc::spawn(&format!("demo-{}-{tokens}", shape.preset), cmd, logs)?;
+    let st = p
+        .wait_timeout(Duration::from_secs(600))
+        .context("kvx demo did not finish in 600 s")?;
+    let text = std::fs::read_to_string(&summary)
+        .with_context(|| format!("kvx demo exited {st} without a summary: {}", p.log_tail(3)))?;
+    Summary::parse(&text)
+}
+
+/// Tensor parallel shapes: a bootstrap server, `tp` prefill ranks and `tp` decode ranks (same
+/// seed, so the same rooms) on loopback; the aggregate is the sum of the ranks' rates.
+fn tp_run(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Result<Summary> {
+    let ctx = Ctx::loopback(
+        Kvx::probe(bin)?,
+        logs.join(format!("tp-{}-{tokens}", shape.preset)),
+    );
+    let model = Model {
+        preset: shape.preset,
+        tp_size: shape.tp,
+        page_size: 16,
+        pool_pages: (tokens.div_ceil(16) + 64) as u32,
+    };
+    let boot = common::bootstrap(&ctx, 0)?;
+    let mut prefills = Vec::new();
+    for r in 0..shape.tp {
+        prefills.push(common::prefill(
+            &ctx,
+            &format!("prefill-r{r}"),
+            0,
+            boot.addr,
+            &model,
+            r,
+            &PrefillOpts::default(),
+        )?);
+    }
+    let mut decodes = Vec::new();
+    for r in 0..shape.tp {
+        let mut o = DecodeOpts::new(rooms as usize, tokens as usize);
+        o.concurrency = 1;
+        o.tp_rank = r;
+        decodes.push(common::decode(
+            &ctx,
+            &format!("decode-r{r}"),
+            0,
+            boot.addr,
+            &model,
+            &o,
+        )?);
+    }
+    let mut total = Summary {
+        requests: rooms,
+        verified: rooms,
+        ..Summary::default()
+    };
+    for d in &mut decodes {
+        let (_, s) = d.finish(Duration::from_secs(900))?;
+        total.verified = total.verified.min(s.verified);
+        total.succeeded = total.verified;
+        total.failed = total.failed.max(s.failed);
+        total.corrupt += s.corrupt;
+        total.bytes += s.bytes;
+        total.gbps += s.gbps;
+        total.p50_ms = total.p50_ms.max(s.p50_ms);
+        total.p99_ms = total.p99_ms.max(s.p99_ms);
+    }
+    drop(prefills);
+    Ok(total)
+}
+
+/// Runs every shape and size that fits and returns the report section.
+pub fn run(root: &Path) -> Result<Part> {
+    let bin = match std::env::var_os("KVX_BIN_RELEASE") {
+        Some(p) => PathBuf::from(p),
+        None => build_release(root)?,
+    };
+    let logs = crate::report::report_dir(root)
+        .join("logs")
+        .join("bench-e2e");
+    let _ = std::fs::remove_dir_all(&logs);
+    let avail = mem_available();
+    let mut rows = Vec::new();
+    let mut left_out = Vec::new();
+    // `KVX_E2E_SHAPES=llama3-70b,deepseek-v3` runs only those presets.
+    let only = std::env::var("KVX_E2E_SHAPES").unwrap_or_default();
+    for shape in SHAPES {
+        if !only.is_empty() && !only.split(',').any(|p| p.trim() == shape.preset) {
+            continue;
+        }
+        for &tokens in TOKENS {
+            let room = shape.bytes_per_token * tokens;
+            let rooms = (1u64 << 30)
+                .div_ceil(room * u64::from(shape.tp))
+                .clamp(2, 8);
+            // Prefill and decode pools of every rank.
+            let footprint =
+                2 * u64::from(shape.tp) * shape.bytes_per_token * (tokens.div_ceil(16) + 64) * 16;
+            if footprint > avail / 2 {
+                left_out.push(format!(
+                    "{} at {tokens} tokens needs about {:.1} GiB, {:.1} GiB available",
+                    shape.label,
+                    footprint as f64 / (1u64 << 30) as f64,
+                    avail as f64 / (1u64 << 30) as f64
+                ));
+                continue;
+            }
+            eprintln!(
+                "xtask: e2e {} at {tokens} tokens, {rooms} rooms",
+                shape.label
+            );
+            let run = if shape.tp == 1 {
+                demo(&bin, &logs, shape, tokens, rooms)
+            } else {
+                tp_run(&bin, &logs, shape, tokens, rooms)
+            };
+            let summary = match run {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!(
+                        "xtask: e2e {} at {tokens} tokens failed: {e:#}",
+                        shape.label
+                    );
+                    left_out.push(format!("{} at {tokens} tokens failed: {e:#}", shape.label));
+                    continue;
+                }
+            };
+            let moved_mib = (summary.bytes >> 20).max(64);
+            let baseline_gbps = baseline(&bin, &logs, moved_mib).ok();
+            rows.push(Row {
+                shape: shape.label,
+                tokens,
+                room_bytes: summary.bytes as f64 / summary.verified.max(1) as f64,
+                summary,
+                baseline_gbps,
+            });
+        }
+    }
+    Ok(part(&rows, &left_out))
+}
+
+fn part(rows: &[Row], left_out: &[String]) -> Part {
+    let mut p = Part::default();
+    p.heading(2, "Whole rooms end to end");
+    p.para(
+        "Release build, loopback TCP, one room at a time, every byte verified. TP1 shapes run \
+         `kvx demo` (bootstrap server, one prefill rank and one decode in one process); the TP8 \
+         shape runs a bootstrap server, 8 prefill and 8 decode processes, and its GB/s is the \
+         sum of the ranks' rates and its room size the sum over ranks. Beside each, the link \
+         test (`kvx send` into `kvx recv`, 1 MiB writes, one connection) moves the same bytes \
+         in the same run. Rerun with `cargo xtask bench e2e`.",
+    );
+    let table: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let s = &r.summary;
+            vec![
+                r.shape.to_string(),
+                r.tokens.to_string(),
+                svg::fmt_bytes(r.room_bytes),
+                format!("{}/{}", s.verified, s.requests),
+                format!("{:.2}", s.gbps),
+                r.baseline_gbps
+                    .map(|b| format!("{b:.2}"))
+                    .unwrap_or_default(),
+                r.baseline_gbps
+                    .filter(|b| *b > 0.0)
+                    .map(|b| format!("{:.2}", s.gbps / b))
+                    .unwrap_or_default(),
+                format!("{:.1}", s.p50_ms),
+                format!("{:.1}", s.p99_ms),
+            ]
+        })
+        .collect();
+    p.table(
+        &[
+            "shape",
+            "tokens",
+            "room",
+            "verified",
+            "GB/s",
+            "link GB/s",
+            "ratio",
+            "p50 ms",
+            "p99 ms",
+        ],
+        &table,
+    );
+    if !left_out.is_empty() {
+        p.para(&format!("Left out: {}.", left_out.join("; ")));
+    }
+    let mut plot = LinePlot::new(
+        "Whole rooms: bandwidth against room size",
+        "room size",
+        "GB/s",
+    );
+    plot.log_x = true;
+    plot.x_fmt = svg::fmt_bytes;
+    for shape in SHAPES {
+        let pts: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.shape == shape.label)
+            .map(|r| (r.room_bytes, r.summary.gbps))
+            .collect();
+        if !pts.is_empty() {
+            plot.series.push(Series::new(shape.label, pts));
+        }
+    }
+    let base: Vec<(f64, f64)> = rows
+        .iter()
+        .filter_map(|r| r.baseline_gbps.map(|b| (r.room_bytes, b)))
+        .collect();
+    if !base.is_empty() {
+        plot.series
+            .push(Series::baseline("link test (same bytes)", base));
+    }
+    if !rows.is_empty() {
+        p.plot("e2e-rooms.svg", "whole-room bandwidth", &plot);
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_section_has_a_row_per_run_and_the_baseline_dashed() {
+        let s = Summary {
+            requests: 2,
+            verified: 2,
+            succeeded: 2,
+            gbps: 1.5,
+            bytes: 1 << 30,
+            ..Summary::default()
+        };
+        let rows = vec![
+            Row {
+                shape: "Llama-3-8B TP1",
+                tokens: 4096,
+                room_bytes: (1u64 << 29) as f64,
+                summary: s.clone(),
+                baseline_gbps: Some(3.0),
+            },
+            Row {
+                shape: "Llama-3-8B TP1",
+                tokens: 8192,
+                room_bytes: (1u64 << 30) as f64,
+                summary: s,
+                baseline_gbps: None,
+            },
+        ];
+        let p = part(&rows, &["x needs 9 GiB".into()]);
+        assert!(p.md.contains("| Llama-3-8B TP1 | 4096 | 512 MiB | 2/2 | 1.50 | 3.00 | 0.50 |"));
+        assert!(p.md.contains("Left out: x needs 9 GiB."));
+        assert_eq!(p.plots.len(), 1);
+        assert_eq!(p.plots[0].1.matches("<polyline").count(), 2);
+        assert!(p.plots[0].1.contains("stroke-dasharray"));
+    }
+}
