@@ -7,17 +7,14 @@
 //! address, queue pairs, regions with rkeys). The TCP connection stays open for the life of the
 //! session as its liveness signal.
 //!
-//! The handshake is the `tcp` backend's: its 16-byte hello (`docs/tcp-transport.md`) with bit 0
-//! ([`HELLO_FLAG_VERBS`]) set in the client's flags, and a [`VerbsHandshake`] where the tcp
-//! backend carries its segment descriptor. A tcp listener refuses such a hello (the payload is
-//! not a descriptor) and this listener refuses a plain tcp hello. Seam: serving both backends
-//! on one port needs the tcp server to hand flagged connections to the receiving code here.
+//! The handshake is the `tcp` backend's hello with a verbs payload (see [`super::hello`]); the
+//! receiving side lives in [`super::listener`]. Seam: serving both backends on one port needs
+//! the tcp server to hand connections whose hello carries the verbs flag to that listener code.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -25,6 +22,8 @@ use super::cq::EventCq;
 use super::device::{DeviceConfig, VerbsDevice};
 use super::error::VerbsError;
 use super::handshake::{MAX_QPS, VerbsHandshake};
+use super::hello::{recv_handshake, send_handshake};
+use super::listener::{accept_loop, handshake_for};
 use super::path::DevicePath;
 use super::plan::Limits;
 use super::qp::{QpConfig, RcQueuePair, RemotePort};
@@ -32,11 +31,7 @@ use super::sched::SchedConfig;
 use super::session::{SessionParts, VerbsSession, to_transport_error};
 use crate::error::TransportError;
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
-use crate::tcp::wire::{HELLO_LEN, HELLO_OK, Hello, VERSION as TCP_VERSION};
 use crate::transport::{BoxFuture, Session, Transport};
-
-/// Most queue pairs a receiver creates for one peer.
-pub const MAX_INBOUND_QPS: usize = 64;
 
 /// Configuration of a [`VerbsTransport`].
 #[derive(Clone, Debug)]
@@ -219,166 +214,6 @@ impl VerbsTransport {
     }
 }
 
-fn handshake_for(dev: &VerbsDevice, qps: &[RcQueuePair]) -> VerbsHandshake {
-    let addr = dev.address();
-    VerbsHandshake {
-        lid: addr.lid,
-        gid: addr.gid,
-        mtu: addr.mtu,
-        qps: qps.iter().map(|q| q.info()).collect(),
-        regions: dev.remote_keys(),
-    }
-}
-
-/// Flag bit in the client hello's flags field (`status` of [`Hello`]) that marks a verbs
-/// handshake: the payload after the hello is a [`VerbsHandshake`], not a segment descriptor.
-pub const HELLO_FLAG_VERBS: u16 = 0x1;
-
-/// Writes the tcp backend's 16-byte hello followed by the verbs payload. A client sets
-/// [`HELLO_FLAG_VERBS`] in the flags; a server answers with status `HELLO_OK`.
-pub async fn send_handshake<W: AsyncWriteExt + Unpin>(
-    w: &mut W,
-    h: &VerbsHandshake,
-    as_server: bool,
-) -> Result<(), VerbsError> {
-    let payload = h.encode();
-    let hello = Hello {
-        version: TCP_VERSION,
-        status: if as_server {
-            HELLO_OK
-        } else {
-            HELLO_FLAG_VERBS
-        },
-        param: 0,
-        desc_len: payload.len() as u32,
-    };
-    let mut frame = Vec::with_capacity(HELLO_LEN + payload.len());
-    frame.extend_from_slice(&hello.encode());
-    frame.extend_from_slice(&payload);
-    w.write_all(&frame)
-        .await
-        .map_err(|e| VerbsError::Handshake(format!("send: {e}")))
-}
-
-/// Reads a hello and its verbs payload. From a client the verbs flag must be set; from a server
-/// the status must be `HELLO_OK`. Payload lengths above the hello's limit are refused unread.
-pub async fn recv_handshake<R: AsyncReadExt + Unpin>(
-    r: &mut R,
-    from_server: bool,
-) -> Result<VerbsHandshake, VerbsError> {
-    let mut fixed = [0u8; HELLO_LEN];
-    r.read_exact(&mut fixed)
-        .await
-        .map_err(|e| VerbsError::Handshake(format!("receive: {e}")))?;
-    let hello = Hello::decode(&fixed).map_err(|e| VerbsError::Handshake(e.to_string()))?;
-    if hello.version < TCP_VERSION {
-        return Err(VerbsError::Handshake(format!(
-            "unsupported hello version {}",
-            hello.version
-        )));
-    }
-    if from_server && hello.status != HELLO_OK {
-        return Err(VerbsError::Handshake(format!(
-            "peer refused the handshake (status {})",
-            hello.status
-        )));
-    }
-    if !from_server && hello.status & HELLO_FLAG_VERBS == 0 {
-        return Err(VerbsError::Handshake(
-            "hello without the verbs flag (a tcp client?)".into(),
-        ));
-    }
-    let mut buf = vec![0u8; hello.desc_len as usize];
-    r.read_exact(&mut buf)
-        .await
-        .map_err(|e| VerbsError::Handshake(format!("receive: {e}")))?;
-    VerbsHandshake::decode(&buf)
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    dev: Arc<VerbsDevice>,
-    cfg: VerbsConfig,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            r = listener.accept() => match r {
-                Ok((stream, from)) => {
-                    tokio::spawn(serve_peer(stream, from.to_string(), dev.clone(), cfg.clone(), stop.clone()));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "verbs handshake accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-        }
-    }
-}
-
-/// The receiving side of one peer: answer its handshake with as many connected queue pairs,
-/// then keep them until the control connection closes or the transport shuts down.
-async fn serve_peer(
-    mut stream: TcpStream,
-    from: String,
-    dev: Arc<VerbsDevice>,
-    cfg: VerbsConfig,
-    mut stop: watch::Receiver<bool>,
-) {
-    let setup = async {
-        let theirs =
-            tokio::time::timeout(cfg.handshake_timeout, recv_handshake(&mut stream, false))
-                .await
-                .map_err(|_| VerbsError::Handshake("timed out".into()))??;
-        // responder queue pairs see no completions for incoming RDMA WRITEs; the queue only
-        // exists because a queue pair needs one
-        let cq = dev
-            .context()
-            .create_cq_builder()
-            .setup_cqe(1)
-            .build_ex()
-            .map_err(|e| VerbsError::verbs("ibv_create_cq_ex", e))?;
-        let port = RemotePort {
-            lid: theirs.lid,
-            gid: theirs.gid,
-            mtu: theirs.mtu,
-        };
-        if theirs.qps.len() > MAX_INBOUND_QPS {
-            return Err(VerbsError::Handshake(format!(
-                "{} queue pairs asked, at most {MAX_INBOUND_QPS} served",
-                theirs.qps.len()
-            )));
-        }
-        let mut qps = Vec::with_capacity(theirs.qps.len());
-        for info in &theirs.qps {
-            let mut qp = RcQueuePair::create(&dev, &cq, cfg.qp)?;
-            qp.connect(&dev, *info, port)?;
-            qps.push(qp);
-        }
-        send_handshake(&mut stream, &handshake_for(&dev, &qps), true).await?;
-        Ok::<_, VerbsError>((qps, cq))
-    };
-    let held = match setup.await {
-        Ok(held) => held,
-        Err(e) => {
-            metrics::counter!("kvx_verbs_handshake_errors_total", "kind" => e.label()).increment(1);
-            tracing::warn!(peer = %from, error = %e, "verbs handshake refused");
-            return;
-        }
-    };
-    tracing::info!(peer = %from, qps = held.0.len(), "verbs peer connected");
-    let mut buf = [0u8; 64];
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            n = stream.read(&mut buf) => if matches!(n, Ok(0) | Err(_)) { break },
-        }
-    }
-    tracing::info!(peer = %from, "verbs peer disconnected");
-    drop(held);
-}
-
 impl Transport for VerbsTransport {
     fn kind(&self) -> &'static str {
         "verbs"
@@ -472,119 +307,6 @@ impl Transport for VerbsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::handshake::QpInfo;
-    use crate::verbs::regions::{Region, RegionTable};
-
-    fn sample() -> VerbsHandshake {
-        VerbsHandshake {
-            lid: 3,
-            gid: [1; 16],
-            mtu: 3,
-            qps: vec![QpInfo { qpn: 9, psn: 10 }],
-            regions: RegionTable::from_regions(vec![Region {
-                base: 4096,
-                len: 4096,
-                key: 5,
-            }])
-            .unwrap(),
-        }
-    }
-
-    #[tokio::test]
-    async fn framed_handshake_over_a_socket() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            let got = recv_handshake(&mut s, false).await.unwrap();
-            send_handshake(&mut s, &got, true).await.unwrap();
-            got
-        });
-        let mut c = TcpStream::connect(addr).await.unwrap();
-        send_handshake(&mut c, &sample(), false).await.unwrap();
-        assert_eq!(recv_handshake(&mut c, true).await.unwrap(), sample());
-        assert_eq!(server.await.unwrap(), sample());
-    }
-
-    fn hello(status: u16, desc_len: u32) -> Vec<u8> {
-        Hello {
-            version: TCP_VERSION,
-            status,
-            param: 0,
-            desc_len,
-        }
-        .encode()
-        .to_vec()
-    }
-
-    #[tokio::test]
-    async fn bad_hellos_are_refused() {
-        // oversized payload: refused from the length alone
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        a.write_all(&hello(HELLO_FLAG_VERBS, u32::MAX))
-            .await
-            .unwrap();
-        assert!(matches!(
-            recv_handshake(&mut b, false).await,
-            Err(VerbsError::Handshake(_))
-        ));
-        // truncated payload
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        a.write_all(&hello(HELLO_FLAG_VERBS, 100)).await.unwrap();
-        a.write_all(&[0u8; 10]).await.unwrap();
-        drop(a);
-        assert!(matches!(
-            recv_handshake(&mut b, false).await,
-            Err(VerbsError::Handshake(_))
-        ));
-        // a plain tcp client (no verbs flag)
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        let payload = sample().encode();
-        a.write_all(&hello(0, payload.len() as u32)).await.unwrap();
-        a.write_all(&payload).await.unwrap();
-        assert!(matches!(
-            recv_handshake(&mut b, false).await,
-            Err(VerbsError::Handshake(_))
-        ));
-        // a server that refused
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        a.write_all(&hello(1, 0)).await.unwrap();
-        assert!(matches!(
-            recv_handshake(&mut b, true).await,
-            Err(VerbsError::Handshake(_))
-        ));
-        // bad magic
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        let mut h = hello(HELLO_FLAG_VERBS, 0);
-        h[0] = b'X';
-        a.write_all(&h).await.unwrap();
-        assert!(matches!(
-            recv_handshake(&mut b, false).await,
-            Err(VerbsError::Handshake(_))
-        ));
-    }
-
-    proptest::proptest! {
-        /// Whatever a peer sends, reading its hello ends in a value or a typed error.
-        #[test]
-        fn recv_handshake_never_panics(
-            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
-            from_server in proptest::prelude::any::<bool>(),
-            valid_prefix in proptest::prelude::any::<bool>(),
-        ) {
-            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-            rt.block_on(async {
-                let (mut a, mut b) = tokio::io::duplex(4096);
-                if valid_prefix {
-                    let flags = if from_server { HELLO_OK } else { HELLO_FLAG_VERBS };
-                    a.write_all(&hello(flags, bytes.len() as u32)).await.unwrap();
-                }
-                a.write_all(&bytes).await.unwrap();
-                drop(a);
-                let _ = recv_handshake(&mut b, from_server).await;
-            });
-        }
-    }
 
     #[tokio::test]
     async fn open_without_device_is_a_typed_error() {

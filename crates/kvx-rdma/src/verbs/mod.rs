@@ -18,8 +18,9 @@
 //! - **Glue**: [`session`] (one peer's driver task: plan on the caller, post what the scheduler
 //!   hands out, feed completions back, answer each batch once; it talks to the hardware only
 //!   through the [`path`] seam, so it is tested against a simulated NIC here) and [`engine`]
-//!   ([`VerbsTransport`], the crate's `Transport`: registration, descriptor, the queue-pair
-//!   handshake over TCP framed with the tcp backend's hello, the receiving side's queue pairs).
+//!   ([`VerbsTransport`], the crate's `Transport`: registration, descriptor, sessions), with
+//!   [`hello`] (the queue-pair handshake over TCP, framed with the tcp backend's hello) and
+//!   [`listener`] (the receiving side: accept handshakes, hold the peers' queue pairs).
 //!
 //! Invariants: no work request carries an address that was not resolved inside a registered
 //! region (local: lkey table; remote: the regions the peer advertised); the send window of a
@@ -81,6 +82,8 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod handshake;
+pub mod hello;
+pub mod listener;
 pub mod path;
 pub mod plan;
 pub mod post;
