@@ -30,6 +30,12 @@ pub struct QpConfig {
     pub max_sge: u32,
     /// Inline payload size (0: none).
     pub max_inline: u32,
+    /// Local ACK timeout exponent: a work request is retransmitted after 4.096 µs × 2^timeout
+    /// without acknowledgement (14 ≈ 67 ms).
+    pub timeout: u8,
+    /// Retransmissions before the work request fails with `IBV_WC_RETRY_EXC_ERR` (at most 7).
+    /// With `timeout`, this bounds how long a dead peer goes unnoticed (14 and 7: about 0.5 s).
+    pub retry_cnt: u8,
 }
 
 impl Default for QpConfig {
@@ -38,6 +44,8 @@ impl Default for QpConfig {
             depth: 256,
             max_sge: 8,
             max_inline: 0,
+            timeout: 14,
+            retry_cnt: 7,
         }
     }
 }
@@ -69,6 +77,8 @@ pub struct RcQueuePair {
     pub(crate) qp: ExtendedQueuePair,
     psn: u32,
     caps: QpCaps,
+    timeout: u8,
+    retry_cnt: u8,
 }
 
 impl std::fmt::Debug for RcQueuePair {
@@ -154,6 +164,8 @@ impl RcQueuePair {
                 max_sge: granted.max_sge.min(max_sge),
                 max_inline: granted.max_inline.min(cfg.max_inline),
             },
+            timeout: cfg.timeout.min(31),
+            retry_cnt: cfg.retry_cnt.min(7),
         })
     }
 
@@ -200,8 +212,8 @@ impl RcQueuePair {
         let mut rts = QueuePairAttribute::new();
         rts.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
-            .setup_timeout(14)
-            .setup_retry_cnt(7)
+            .setup_timeout(self.timeout)
+            .setup_retry_cnt(self.retry_cnt)
             .setup_rnr_retry(7)
             .setup_max_read_atomic(1);
         self.qp
