@@ -97,6 +97,8 @@ pub use device::{DeviceConfig, VerbsDevice, discover};
 pub use engine::{VerbsConfig, VerbsTransport};
 pub use error::VerbsError;
 pub use handshake::{QpInfo, VerbsHandshake};
+pub use path::{DevicePath, LocalKeys, SendPath};
 pub use plan::{Limits, WritePlan, plan_writes};
 pub use regions::{Region, RegionTable};
 pub use sched::{PeerScheduler, SchedConfig};
+pub use session::VerbsSession;

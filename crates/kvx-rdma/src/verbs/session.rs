@@ -291,6 +291,8 @@ impl<P: SendPath> SessionTask<P> {
                         .increment(after.ignored - before.ignored);
                     metrics::counter!("kvx_verbs_wrs_requeued_total")
                         .increment(after.requeued - before.requeued);
+                    metrics::counter!("kvx_verbs_wrs_failed_total")
+                        .increment(after.failed_wrs - before.failed_wrs);
                 },
                 n = self.ctrl.read(&mut ctrl_buf) => {
                     if matches!(n, Ok(0) | Err(_)) {
