@@ -111,6 +111,9 @@ pub struct PrefillArgs {
     /// Data-plane backend.
     #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
     pub backend: String,
+    /// Data-plane connections per decode session.
+    #[arg(long, default_value_t = 2)]
+    pub connections: usize,
 }
 
 /// Flags of `kvx decode` (a repeated flag: the last one wins).

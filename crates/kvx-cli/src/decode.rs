@@ -24,9 +24,9 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore, oneshot};
 
-use crate::dataplane::DataServer;
 use crate::model::{self, KvLayout};
 use crate::pages::PageAllocator;
+use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::wire::{self, DecodeInbound};
 
@@ -347,9 +347,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let layout = cfg.layout.clone();
     let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
     let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
-    let data = DataServer::bind(&format!("{}:0", cfg.host), vec![kv.clone(), aux.clone()])
+    let plane = DataPlane::tcp_server(&format!("{}:0", cfg.host), 1, vec![kv.clone(), aux.clone()])
+        .await
         .context("binding the data plane")?;
-    let session = SessionId::new(data.local_addr().to_string());
+    let session = SessionId::new(plane.endpoint());
     let ctx = zmq::Context::new();
     let inbox = ctx.socket(zmq::PULL)?;
     inbox.set_rcvhwm(0)?;
@@ -457,6 +458,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     }
     hb.abort();
     peer.stop.store(true, Ordering::Relaxed);
+    drop(plane);
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;

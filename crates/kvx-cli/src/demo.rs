@@ -47,8 +47,9 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             fragmentation: args.fragmentation,
             restart_workers: false,
             backend: "tcp".into(),
+            connections: 2,
         };
-        let engine = start_rank(&pargs)?;
+        let engine = start_rank(&pargs, tokio::runtime::Handle::current())?;
         let client = BootstrapClient::new("127.0.0.1", port)?;
         let reg = rank_registration(&m, &engine.endpoint().host, engine.endpoint().port);
         client

@@ -15,7 +15,8 @@
 //! let kv = Arc::new(Region::new(64 * 4096));
 //! let aux = Arc::new(Region::new(64 * 64));
 //! let mem = PrefillMemory::new(kv.clone(), vec![kv.base()], 4096, aux.clone(), vec![aux.base()], vec![64]);
-//! let engine = PrefillEngine::start(PrefillConfig::default(), mem).unwrap();
+//! let rt = tokio::runtime::Runtime::new().unwrap();
+//! let engine = PrefillEngine::start(PrefillConfig::default(), mem, rt.handle().clone()).unwrap();
 //! let room = Room::new(42).unwrap();
 //! engine.open_room(room, 0);
 //! // ... once the decode's metadata arrived:
@@ -33,6 +34,7 @@ use std::time::{Duration, Instant};
 use kvx_core::{Chunk, Endpoint, KVPoll, Room};
 
 use crate::fault::TransferThreadFailed;
+use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::rooms::{Action, RoomTable, SendError};
 use crate::wire::{self, Frames, PrefillInbound};
@@ -65,6 +67,8 @@ pub struct PrefillConfig {
     pub events: bool,
     /// Data-plane connect and I/O timeout.
     pub connect_timeout: Duration,
+    /// Data-plane connections per decode session.
+    pub connections: usize,
 }
 
 impl Default for PrefillConfig {
@@ -82,6 +86,7 @@ impl Default for PrefillConfig {
             auto_clear: false,
             events: false,
             connect_timeout: Duration::from_secs(10),
+            connections: 2,
         }
     }
 }
@@ -152,6 +157,9 @@ pub enum EngineError {
     /// A thread could not be spawned.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// The data plane refused the memory.
+    #[error("transport: {0}")]
+    Transport(#[from] kvx_rdma::TransportError),
     /// The bound endpoint could not be read back.
     #[error("cannot read the bound inbox endpoint")]
     Endpoint,
@@ -169,6 +177,8 @@ pub(crate) struct Shared {
     pub(crate) table: Mutex<RoomTable>,
     pub(crate) stop: AtomicBool,
     pub(crate) current: Vec<Mutex<Option<(Room, bool)>>>,
+    pub(crate) plane: DataPlane,
+    pub(crate) rt: tokio::runtime::Handle,
     notices: Mutex<Sender<Notice>>,
     events: Option<Mutex<Sender<EngineEvent>>>,
     fatal: Mutex<Option<Arc<TransferThreadFailed>>>,
@@ -240,8 +250,14 @@ pub struct PrefillEngine {
 }
 
 impl PrefillEngine {
-    /// Binds the inbox, starts the workers, the supervisor, the notifier and the timer.
-    pub fn start(cfg: PrefillConfig, mem: PrefillMemory) -> Result<PrefillEngine, EngineError> {
+    /// Registers the memory with a tcp data plane, binds the inbox, starts the workers, the
+    /// supervisor, the notifier and the timer. Transfers run on the runtime behind `rt`.
+    pub fn start(
+        cfg: PrefillConfig,
+        mem: PrefillMemory,
+        rt: tokio::runtime::Handle,
+    ) -> Result<PrefillEngine, EngineError> {
+        let plane = DataPlane::tcp_client(cfg.connections, vec![mem.kv.clone(), mem.aux.clone()])?;
         let ctx = zmq::Context::new();
         let inbox = ctx.socket(zmq::PULL)?;
         inbox.set_rcvhwm(0)?;
@@ -288,6 +304,8 @@ impl PrefillEngine {
             )),
             stop: AtomicBool::new(false),
             current: (0..queues.len()).map(|_| Mutex::new(None)).collect(),
+            plane,
+            rt,
             notices: Mutex::new(notice_tx),
             events: cfg.events.then(|| Mutex::new(events_tx)),
             fatal: Mutex::new(None),

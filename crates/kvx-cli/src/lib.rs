@@ -21,7 +21,6 @@
 
 pub mod bootstrap_cmd;
 pub mod config;
-pub mod dataplane;
 pub mod decode;
 pub mod demo;
 pub mod engine;
@@ -31,6 +30,7 @@ pub mod link;
 pub mod model;
 pub mod pages;
 pub mod plan;
+pub mod plane;
 pub mod prefill_cmd;
 pub mod region;
 pub mod rooms;

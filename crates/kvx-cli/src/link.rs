@@ -1,50 +1,56 @@
 //! `kvx send` / `kvx recv`: a link test in the style of ib_write_bw / iperf3 over the data plane.
 //!
-//! `recv` registers a region and serves writes into it; `send` asks for the region, then posts
-//! batches of `--batch` writes of `--size` bytes on `--connections` connections (one completion
-//! per batch) until `--total-mib` were written, and reports GB/s.
+//! `recv` registers a region with a listening transport and serves writes into it; `send`
+//! learns the region from the session handshake, then posts batches of `--batch` writes of
+//! `--size` bytes over `--connections` connections (one completion per batch, two batches in
+//! flight) until `--total-mib` were written, and reports GB/s.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvx_core::TransferOp;
 
 use crate::config::{RecvArgs, SendArgs};
-use crate::dataplane::{DataConn, DataServer};
+use crate::plane::DataPlane;
 use crate::region::Region;
 
-/// `kvx recv`: serves until interrupted, printing throughput once per second while busy.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// `kvx recv`: serves until interrupted.
 pub fn recv(args: RecvArgs) -> Result<i32> {
     let region = Arc::new(Region::new(args.region as usize));
-    let server = DataServer::bind(&args.listen, vec![region]).context("binding")?;
-    eprintln!("kvx recv: listening on {}", server.local_addr());
-    let mut last = server.bytes_received();
-    loop {
-        std::thread::sleep(Duration::from_secs(1));
-        let now = server.bytes_received();
-        if now != last {
-            println!("received {:.2} GB/s", (now - last) as f64 / 1e9);
-            last = now;
-        }
-    }
+    runtime()?.block_on(async {
+        let plane = DataPlane::tcp_server(&args.listen, 1, vec![region])
+            .await
+            .context("binding the data plane")?;
+        eprintln!(
+            "kvx recv: {} listening on {}",
+            plane.transport().kind(),
+            plane.endpoint()
+        );
+        let _ = tokio::signal::ctrl_c().await;
+        drop(plane);
+        anyhow::Ok(0)
+    })
 }
 
 /// `kvx send`: returns the exit code.
 pub fn send(args: SendArgs) -> Result<i32> {
     let size = args.size.max(1);
-    let batch = args.batch.max(1);
-    let conns = args.connections.max(1);
+    let batch = args.batch.max(1) as u64;
     let total = args.total_mib.max(1) << 20;
-    let per_conn = total / conns as u64;
-    let src = Arc::new(Region::new((size * batch as u64) as usize));
+    let src = Arc::new(Region::new((size * batch) as usize));
     let _ = src.write_with(src.base(), src.len(), |s| {
         for (i, b) in s.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
     });
-    let sent = Arc::new(AtomicU64::new(0));
     let bar = {
         use std::io::IsTerminal as _;
         (!args.no_progress && std::io::stderr().is_terminal()).then(|| {
@@ -57,55 +63,62 @@ pub fn send(args: SendArgs) -> Result<i32> {
             b
         })
     };
-    let t0 = Instant::now();
-    let mut handles = Vec::new();
-    for _ in 0..conns {
-        let (src, sent, to) = (src.clone(), sent.clone(), args.to.clone());
-        handles.push(std::thread::spawn(move || -> Result<()> {
-            let mut c = DataConn::connect(&to, Duration::from_secs(10))?;
-            let regions = c.regions()?;
-            let Some(&(base, len)) = regions.first() else {
-                bail!("peer registered no memory");
-            };
-            if len < size {
-                bail!("peer region ({len} B) smaller than one write ({size} B)");
-            }
-            let slots = (len / size).max(1);
-            let mut done = 0u64;
-            let mut k = 0u64;
-            while done < per_conn {
-                let ops: Vec<TransferOp> = (0..batch as u64)
-                    .map(|i| {
-                        let slot = (k + i) % slots;
-                        TransferOp::new(src.base() + i * size, base + slot * size, size)
-                    })
-                    .collect();
-                k += batch as u64;
-                c.write_batch(&[&src], &ops)?;
-                let b = TransferOp::total_bytes(&ops);
-                done += b;
-                sent.fetch_add(b, Ordering::Relaxed);
-            }
-            Ok(())
-        }));
-    }
-    if let Some(b) = &bar {
-        while handles.iter().any(|h| !h.is_finished()) {
-            b.set_position(sent.load(Ordering::Relaxed));
-            std::thread::sleep(Duration::from_millis(100));
+    let (bytes, secs) = runtime()?.block_on(async {
+        let plane = DataPlane::tcp_client(args.connections, vec![src.clone()])?;
+        let session = plane
+            .transport()
+            .connect(&args.to)
+            .await
+            .with_context(|| format!("connecting to {}", args.to))?;
+        let Some(dst) = session.remote().regions.first().cloned() else {
+            bail!("peer registered no memory");
+        };
+        if dst.len < size {
+            bail!(
+                "peer region ({} B) smaller than one write ({size} B)",
+                dst.len
+            );
         }
+        let slots = dst.len / size;
+        let batch_ops = |k: u64| -> Vec<TransferOp> {
+            (0..batch)
+                .map(|i| {
+                    TransferOp::new(
+                        src.base() + i * size,
+                        dst.base + ((k + i) % slots) * size,
+                        size,
+                    )
+                })
+                .collect()
+        };
+        let t0 = Instant::now();
+        let mut sent = 0u64;
+        let mut k = 0u64;
+        let mut inflight = std::collections::VecDeque::new();
+        while sent < total || !inflight.is_empty() {
+            while sent < total && inflight.len() < 2 {
+                inflight.push_back(session.write_batch(batch_ops(k)));
+                k += batch;
+                sent += size * batch;
+            }
+            if let Some(f) = inflight.pop_front() {
+                f.await?;
+                if let Some(b) = &bar {
+                    b.set_position(sent.min(total));
+                }
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        drop(plane);
+        anyhow::Ok((sent, secs))
+    })?;
+    if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    for h in handles {
-        h.join()
-            .map_err(|_| anyhow::anyhow!("sender thread panicked"))??;
-    }
-    let secs = t0.elapsed().as_secs_f64();
-    let bytes = sent.load(Ordering::Relaxed);
     println!(
-        "sent {:.1} MiB in {:.2} s on {conns} connection(s), {size} B writes × {batch}/batch: {:.2} GB/s",
+        "sent {:.1} MiB in {secs:.2} s over {} connection(s), {size} B writes x {batch}/batch: {:.2} GB/s",
         bytes as f64 / (1 << 20) as f64,
-        secs,
+        args.connections.max(1),
         bytes as f64 / secs.max(1e-9) / 1e9
     );
     Ok(0)

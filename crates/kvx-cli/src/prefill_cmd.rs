@@ -63,7 +63,7 @@ pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration
 }
 
 /// Starts a prefill rank with its synthetic forward pass on its own thread.
-pub fn start_rank(args: &PrefillArgs) -> Result<Arc<PrefillEngine>> {
+pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<PrefillEngine>> {
     let m = &args.model;
     let layout = m.model.layout(m.tp_size, m.page_size, m.pool_pages);
     let mem = prefill_memory(&layout);
@@ -80,6 +80,7 @@ pub fn start_rank(args: &PrefillArgs) -> Result<Arc<PrefillEngine>> {
         auto_clear: true,
         events: true,
         connect_timeout: Duration::from_secs(5),
+        connections: args.connections.max(1),
     };
     let model = SyntheticModel {
         layout,
@@ -88,7 +89,8 @@ pub fn start_rank(args: &PrefillArgs) -> Result<Arc<PrefillEngine>> {
         chunk_pages: args.chunk_pages.max(1),
         pages: PageAllocator::new(m.pool_pages, args.fragmentation, 0x5eed),
     };
-    let engine = Arc::new(PrefillEngine::start(cfg, mem).context("starting the prefill engine")?);
+    let engine =
+        Arc::new(PrefillEngine::start(cfg, mem, rt).context("starting the prefill engine")?);
     let events = engine
         .take_events()
         .context("engine event stream unavailable")?;
@@ -106,7 +108,7 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let engine = start_rank(&args)?;
+    let engine = start_rank(&args, rt.handle().clone())?;
     let _server = rt.block_on(async {
         let server = if args.serve_bootstrap {
             let s = BootstrapServer::bind_with(

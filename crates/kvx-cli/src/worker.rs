@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_core::{Chunk, Room, SessionId, TransferOp};
+use kvx_rdma::{Session, TransportError};
 
-use crate::dataplane::{DataConn, DataError};
 use crate::engine::Shared;
 use crate::fault::{TransferThreadFailed, WorkerFault};
 use crate::plan;
@@ -134,7 +134,7 @@ fn worker_loop(
     shard: usize,
     queue: &Mutex<Receiver<Job>>,
 ) -> Result<(), WorkerFault> {
-    let mut conns: HashMap<SessionId, DataConn> = HashMap::new();
+    let mut conns: HashMap<SessionId, Arc<dyn Session>> = HashMap::new();
     loop {
         if shared.stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -159,7 +159,7 @@ fn worker_loop(
 /// Moves one chunk to every decode of its room. Outer error: fatal; inner: fails the room.
 fn transfer(
     shared: &Shared,
-    conns: &mut HashMap<SessionId, DataConn>,
+    conns: &mut HashMap<SessionId, Arc<dyn Session>>,
     job: &Job,
     work: &ChunkWork,
 ) -> Result<Result<(), String>, WorkerFault> {
@@ -177,7 +177,7 @@ fn transfer(
 
 fn transfer_one(
     shared: &Shared,
-    conns: &mut HashMap<SessionId, DataConn>,
+    conns: &mut HashMap<SessionId, Arc<dyn Session>>,
     job: &Job,
     work: &ChunkWork,
     t: &Target,
@@ -249,16 +249,19 @@ fn transfer_one(
     if ops.is_empty() {
         return Ok(Ok(()));
     }
-    let conn = match conns.entry(t.session.clone()) {
-        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            match DataConn::connect(t.session.as_str(), shared.cfg.connect_timeout) {
-                Ok(c) => v.insert(c),
+    let session = match conns.get(&t.session) {
+        Some(s) if s.is_alive() => s.clone(),
+        _ => {
+            let transport = shared.plane.transport();
+            match shared.rt.block_on(transport.connect(t.session.as_str())) {
+                Ok(s) => {
+                    conns.insert(t.session.clone(), s.clone());
+                    s
+                }
                 Err(e) => return Ok(Err(session_failed(shared, &t.session, &e))),
             }
         }
     };
-    let regions = [mem.kv.as_ref(), mem.aux.as_ref()];
     for batch in plan::batches(&ops, shared.cfg.max_batch_ops, shared.cfg.max_batch_bytes) {
         fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
             WorkerFault::Injected {
@@ -267,14 +270,13 @@ fn transfer_one(
             }
         ));
         let t0 = Instant::now();
-        match conn.write_batch(&regions, batch) {
-            Ok(()) => {
+        match shared.rt.block_on(session.write_batch(batch.to_vec())) {
+            Ok(report) => {
                 metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
                 metrics::counter!("kvx_transfer_batches_total").increment(1);
-                metrics::counter!("kvx_transfer_bytes_total")
-                    .increment(TransferOp::total_bytes(batch));
+                metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
             }
-            Err(e @ DataError::Io { .. }) | Err(e @ DataError::BadAck { .. }) => {
+            Err(e) if e.is_peer_failure() => {
                 conns.remove(&t.session);
                 return Ok(Err(session_failed(shared, &t.session, &e)));
             }
@@ -285,7 +287,7 @@ fn transfer_one(
 }
 
 /// Blacklists a session after a transport failure and fails its other rooms.
-fn session_failed(shared: &Shared, session: &SessionId, e: &DataError) -> String {
+fn session_failed(shared: &Shared, session: &SessionId, e: &TransportError) -> String {
     metrics::counter!("kvx_session_failures_total").increment(1);
     let actions = lock(&shared.table).fail_session(session, &e.to_string());
     shared.apply(actions);

@@ -1,0 +1,94 @@
+//! The data plane as the drivers use it: a `kvx-rdma` transport plus the regions registered
+//! with it, kept together so the memory outlives its registration.
+//!
+//! A [`DataPlane`] owns `Arc`s of the regions it registered and deregisters them when dropped,
+//! before the regions can be freed. The decode's plane listens (its endpoint is the session id it
+//! sends); the prefill's is send-only.
+
+use std::sync::Arc;
+
+use kvx_rdma::{RegionKey, TcpConfig, TcpTransport, Transport, TransportError};
+
+use crate::region::Region;
+
+/// A transport with the regions registered on it.
+pub struct DataPlane {
+    transport: Arc<dyn Transport>,
+    keys: Vec<RegionKey>,
+    _regions: Vec<Arc<Region>>,
+}
+
+impl std::fmt::Debug for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlane")
+            .field("kind", &self.transport.kind())
+            .field("endpoint", &self.transport.endpoint())
+            .finish()
+    }
+}
+
+/// The tcp backend's settings for `connections` connections per peer.
+pub fn tcp_config(connections: usize) -> TcpConfig {
+    TcpConfig {
+        connections: connections.max(1),
+        ..TcpConfig::default()
+    }
+}
+
+impl DataPlane {
+    /// Registers `regions` with `transport`.
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        let mut keys = Vec::with_capacity(regions.len());
+        for r in &regions {
+            // SAFETY: the region is a live heap allocation owned through the `Arc` this plane
+            // keeps until after `Drop` deregisters it; its bytes are interior-mutable
+            // (`UnsafeCell`), so peers and the transport may write them from other threads.
+            let key = unsafe { transport.register(r.base(), r.len())? };
+            keys.push(key);
+        }
+        Ok(DataPlane {
+            transport,
+            keys,
+            _regions: regions,
+        })
+    }
+
+    /// A send-only tcp plane (a prefill rank).
+    pub fn tcp_client(
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        DataPlane::new(TcpTransport::client(tcp_config(connections)), regions)
+    }
+
+    /// A listening tcp plane on `addr` (a decode rank, a link-test receiver).
+    pub async fn tcp_server(
+        addr: &str,
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        let t = TcpTransport::bind(addr, tcp_config(connections)).await?;
+        DataPlane::new(t, regions)
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// What peers use to reach this side (the decode's session id).
+    pub fn endpoint(&self) -> String {
+        self.transport.endpoint()
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        for k in self.keys.drain(..) {
+            let _ = self.transport.deregister(k);
+        }
+    }
+}
