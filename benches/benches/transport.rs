@@ -1,6 +1,7 @@
 //! Transport benchmark: the tcp backend against a plain socket loop and memcpy, in one run.
 //!
-//! Cases (all over loopback, same process):
+//! Cases (all over loopback, same process; the tcp receiver and sender run on separate tokio
+//! runtimes of `KVX_BENCH_WORKERS` threads each, default 2):
 //! - `memcpy`: one-thread copy of the bulk size (the same-host ceiling);
 //! - `socket-loop`: N plain blocking TCP connections, each `write_all`-ing its share of the bulk
 //!   buffer straight into a `read_exact` on the other side (N = the tcp backend's connections);
@@ -168,28 +169,33 @@ fn main() {
     let mut src: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
     let mut dst = vec![1u8; size];
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (server, client, session) = rt.block_on(async {
-        let server = TcpTransport::bind("127.0.0.1:0", cfg.clone())
+    // Receiver and sender each get their own runtime, as the decode and prefill processes would.
+    let workers = env_usize("KVX_BENCH_WORKERS", 2).max(1);
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (rt_recv, rt) = (runtime(), runtime());
+    let server = rt_recv.block_on(async {
+        TcpTransport::bind("127.0.0.1:0", cfg.clone())
             .await
-            .unwrap();
-        let client = TcpTransport::client(cfg.clone());
-        // SAFETY: both buffers live until the end of main, after every batch completed.
-        unsafe {
-            server
-                .register(dst.as_mut_ptr() as u64, size as u64)
-                .unwrap();
-            client
-                .register(src.as_mut_ptr() as u64, size as u64)
-                .unwrap();
-        }
-        let session = client.connect(&server.endpoint()).await.unwrap();
-        (server, client, session)
+            .unwrap()
     });
+    let client = TcpTransport::client(cfg.clone());
+    // SAFETY: both buffers live until the end of main, after every batch completed and both
+    // transports are dropped.
+    unsafe {
+        server
+            .register(dst.as_mut_ptr() as u64, size as u64)
+            .unwrap();
+        client
+            .register(src.as_mut_ptr() as u64, size as u64)
+            .unwrap();
+    }
+    let session = rt.block_on(client.connect(&server.endpoint())).unwrap();
     let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
     let cases: Vec<(String, Vec<TransferOp>)> = vec![
         ("tcp bulk".into(), vec![TransferOp::new(s, d, bulk as u64)]),
@@ -246,6 +252,7 @@ fn main() {
     }
     drop((session, client, server));
     drop(rt);
+    drop(rt_recv);
 
     let base = rows[1].gbps();
     println!();

@@ -220,8 +220,9 @@ impl IoPart<'_> {
     }
 }
 
-/// Most iovecs passed to one `writev`/`readv` (Linux `IOV_MAX` is 1024).
-pub const MAX_IOV: usize = 1024;
+/// Most iovecs passed to one `writev`/`readv` (Linux `IOV_MAX` is 1024; fewer keeps the
+/// per-call iovec copy small while still moving about a socket buffer's worth per call).
+pub const MAX_IOV: usize = 256;
 
 /// `writev(fd, parts)` skipping the first `skip` bytes of the sequence; non-blocking sockets
 /// return `WouldBlock` as an error. Returns bytes written.
