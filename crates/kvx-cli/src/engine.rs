@@ -69,6 +69,8 @@ pub struct PrefillConfig {
     pub connect_timeout: Duration,
     /// Data-plane connections per decode session.
     pub connections: usize,
+    /// Tokens per KV page.
+    pub page_size: u32,
 }
 
 impl Default for PrefillConfig {
@@ -87,6 +89,7 @@ impl Default for PrefillConfig {
             events: false,
             connect_timeout: Duration::from_secs(10),
             connections: 2,
+            page_size: 16,
         }
     }
 }
@@ -94,6 +97,8 @@ impl Default for PrefillConfig {
 /// The memory a prefill rank registers once: KV buffers and aux rows.
 #[derive(Clone, Debug)]
 pub struct PrefillMemory {
+    /// MLA (one latent buffer per layer) instead of MHA (K layers then V layers).
+    pub mla: bool,
     /// The region holding every KV buffer.
     pub kv: Arc<Region>,
     /// One address per KV buffer.
@@ -109,6 +114,29 @@ pub struct PrefillMemory {
 }
 
 impl PrefillMemory {
+    /// Marks the KV buffers as MLA latents (one per layer).
+    #[must_use]
+    pub fn mla(mut self, mla: bool) -> Self {
+        self.mla = mla;
+        self
+    }
+
+    /// The KV layout the planner pairs against a decode's.
+    pub fn kv_layout(&self, page_size: u32) -> kvx_core::KvLayout {
+        let bufs: Vec<kvx_core::Buffer> = self
+            .kv_ptrs
+            .iter()
+            .map(|&p| kvx_core::Buffer::remote(p, self.item_len))
+            .collect();
+        if self.mla {
+            kvx_core::KvLayout::mla(bufs, page_size)
+        } else {
+            let half = bufs.len() / 2;
+            let (k, v) = bufs.split_at(half);
+            kvx_core::KvLayout::mha(k.to_vec(), v.to_vec(), page_size)
+        }
+    }
+
     /// Bundles the registered memory.
     pub fn new(
         kv: Arc<Region>,
@@ -119,6 +147,7 @@ impl PrefillMemory {
         aux_item_lens: Vec<u64>,
     ) -> Self {
         PrefillMemory {
+            mla: false,
             kv,
             kv_ptrs,
             item_len,

@@ -29,7 +29,6 @@ pub mod forward;
 pub mod link;
 pub mod model;
 pub mod pages;
-pub mod plan;
 pub mod plane;
 pub mod prefill_cmd;
 pub mod region;

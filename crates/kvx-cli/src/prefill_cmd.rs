@@ -37,6 +37,7 @@ pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
         aux_ptrs,
         vec![layout.aux_item_len],
     )
+    .mla(layout.mla)
 }
 
 /// The `PUT /route` body of a TP-only prefill rank.
@@ -81,6 +82,7 @@ pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<
         events: true,
         connect_timeout: Duration::from_secs(5),
         connections: args.connections.max(1),
+        page_size: u32::try_from(m.page_size).unwrap_or(u32::MAX),
     };
     let model = SyntheticModel {
         layout,

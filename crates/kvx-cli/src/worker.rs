@@ -16,12 +16,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvx_core::planner::{BatchLimits, Plan, PlanPart, plan_kv_equal};
 use kvx_core::{Chunk, Room, SessionId, TransferOp};
 use kvx_rdma::{Session, TransportError};
 
 use crate::engine::Shared;
 use crate::fault::{TransferThreadFailed, WorkerFault};
-use crate::plan;
 use crate::rooms::{ChunkWork, Target};
 
 /// One queued chunk.
@@ -201,25 +201,25 @@ fn transfer_one(
     let mem = &shared.mem;
     let slice = job.chunk.slice;
     let Some(dst_pages) = dst.kv_pages.get(slice.start..slice.end) else {
-        return Ok(Err(plan::PlanError::SliceOutOfRange {
-            start: slice.start,
-            end: slice.end,
-            len: dst.kv_pages.len(),
+        return Ok(Err(format!(
+            "Chunk slice {}..{} of {room} exceeds the {} destination pages of {}",
+            slice.start,
+            slice.end,
+            dst.kv_pages.len(),
+            t.session
+        )));
+    };
+    let src_layout = mem.kv_layout(shared.cfg.page_size);
+    let dst_layout =
+        kvx_core::KvLayout::from_registration(reg, src_layout.kind, None, shared.cfg.page_size);
+    let mut plan = Plan::new();
+    if !dst_pages.is_empty() {
+        match plan_kv_equal(&src_layout, &dst_layout, &job.chunk.src_pages, dst_pages) {
+            Ok(p) => plan.push(PlanPart::Paged(p)),
+            Err(e) => return Ok(Err(format!("Failed to plan kv chunk of {room}: {e}"))),
         }
-        .to_string()));
-    };
-    let mut ops = match plan::plan_kv(
-        &mem.kv_ptrs,
-        &reg.kv_ptrs,
-        mem.item_len,
-        reg.dst_kv_item_len,
-        &job.chunk.src_pages,
-        dst_pages,
-    ) {
-        Ok(ops) if !dst_pages.is_empty() => ops,
-        Ok(_) => Vec::new(),
-        Err(e) => return Ok(Err(e.to_string())),
-    };
+    }
+    let mut ops = Vec::new();
     if job.chunk.is_last
         && let Some(src_row) = work.src_aux_index
     {
@@ -246,9 +246,14 @@ fn transfer_one(
             ));
         }
     }
-    if ops.is_empty() {
+    plan.push(PlanPart::Ops(ops));
+    if plan.is_empty() {
         return Ok(Ok(()));
     }
+    let limits = match BatchLimits::new(shared.cfg.max_batch_ops, shared.cfg.max_batch_bytes) {
+        Ok(l) => l,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
     let session = match conns.get(&t.session) {
         Some(s) if s.is_alive() => s.clone(),
         _ => {
@@ -262,7 +267,7 @@ fn transfer_one(
             }
         }
     };
-    for batch in plan::batches(&ops, shared.cfg.max_batch_ops, shared.cfg.max_batch_bytes) {
+    for batch in plan.batches(limits) {
         fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
             WorkerFault::Injected {
                 point: "kvx::transfer_worker::batch",
@@ -270,7 +275,7 @@ fn transfer_one(
             }
         ));
         let t0 = Instant::now();
-        match shared.rt.block_on(session.write_batch(batch.to_vec())) {
+        match shared.rt.block_on(session.write_batch(batch)) {
             Ok(report) => {
                 metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
                 metrics::counter!("kvx_transfer_batches_total").increment(1);
