@@ -153,6 +153,18 @@ impl Proc {
         }
     }
 
+    /// Open sockets of the child (its `/proc/<pid>/fd` entries that are sockets).
+    pub fn sockets(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter_map(|e| std::fs::read_link(e.path()).ok())
+                    .filter(|t| t.to_string_lossy().starts_with("socket:"))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
     /// The child's output so far.
     pub fn log_text(&self) -> String {
         std::fs::read(&self.log)
@@ -203,6 +215,7 @@ mod tests {
         cmd.args(["-c", "sleep 300 & echo grandchild $!; wait"]);
         let mut p = Proc::spawn("sleeper", cmd, dir.path()).unwrap();
         assert!(p.wait_for_log("grandchild", Duration::from_secs(10)));
+        assert_eq!(p.sockets(), 0, "bash with a sleep has no sockets");
         let text = p.log_text();
         let gpid: i32 = text
             .split_whitespace()
@@ -234,6 +247,7 @@ mod tests {
         let mut p = Proc::spawn("status", cmd, dir.path()).unwrap();
         let st = p.wait_timeout(Duration::from_secs(30)).unwrap();
         assert_eq!(st.code(), Some(3));
+        assert_eq!(p.sockets(), 0, "an exited child has no sockets");
         assert!(p.log_text().contains("hello"));
         assert!(p.log_tail(1).contains("oops"));
         assert_eq!(p.name(), "status");

@@ -254,7 +254,9 @@ pub fn fatal_worker(ctx: &mut Ctx) -> Result<Verdict> {
 }
 
 /// `soak`: many rooms with 1 % injected per-room failures: every room terminal, every success
-/// verified, workers alive and no per-room entry left on the prefill.
+/// verified, workers alive, no per-room entry left on the prefill, and no socket the prefill
+/// opened for the decode still open 10 s after the decode exited (counted in `/proc/<pid>/fd`,
+/// as the metrics do not list sockets).
 pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
     if let Some(v) = super::need(
         ctx,
@@ -273,6 +275,7 @@ pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
         ..PrefillOpts::default()
     };
     let p = common::prefill(ctx, "prefill", 0, boot.addr, &model, 0, &popts)?;
+    let sockets_before = p.proc.sockets();
     let n = common::sized(ctx, 2000, 10_000);
     let mut o = DecodeOpts::new(n, 16);
     o.tokens_max = Some(512);
@@ -281,11 +284,20 @@ pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
     let (code, s) = d.finish(Duration::from_secs(common::sized(ctx, 150, 3300) as u64))?;
     ctx.latencies_ms.extend(&s.latencies_ms);
     let left = common::drained(ctx, &p, Duration::from_secs(10))?;
+    // The decode is gone: whatever the prefill opened for it must be closed again.
+    let mut sockets_after = p.proc.sockets();
+    for _ in 0..100 {
+        if sockets_after <= sockets_before {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        sockets_after = p.proc.sockets();
+    }
     let m = ctx.scrape(0, p.metrics)?;
     let workers = m.get("kvx_live_workers");
     let wf = m.get("kvx_worker_failures_total");
     let figures = format!(
-        "{}; decode exit {code}; live workers {workers}, worker failures {wf}, room entries left {left}",
+        "{}; decode exit {code}; live workers {workers}, worker failures {wf}, room entries left {left}, prefill sockets {sockets_before} before and {sockets_after} after",
         s.figures()
     );
     // Every room the decode saw fail is one the prefill failed (the injected faults), and the
@@ -294,15 +306,32 @@ pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
         .sum("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
         .unwrap_or(0.0) as u64;
     let figures = format!("{figures}; prefill failed {prefill_failed} rooms");
-    if !s.all_terminal()
-        || s.corrupt != 0
-        || s.verified != s.succeeded
-        || left != 0.0
-        || wf != 0.0
-        || s.failed != prefill_failed
-        || s.failed * 20 > s.requests
-    {
-        return Ok(Verdict::Fail(format!("{figures}; {}", s.top_reason())));
+    let checks = [
+        (s.all_terminal(), "not every room terminal"),
+        (s.corrupt == 0, "corrupt rooms"),
+        (s.verified == s.succeeded, "unverified successes"),
+        (left == 0.0, "room entries left on the prefill"),
+        (wf == 0.0, "a worker died"),
+        (
+            s.failed == prefill_failed,
+            "the decode saw failures the prefill did not inject",
+        ),
+        (
+            s.failed * 20 <= s.requests,
+            "far more than 1 % of rooms failed",
+        ),
+        (
+            sockets_after <= sockets_before,
+            "the prefill kept sockets it opened for the decode after the decode left",
+        ),
+    ];
+    let broken: Vec<&str> = checks
+        .iter()
+        .filter(|(ok, _)| !ok)
+        .map(|(_, w)| *w)
+        .collect();
+    if !broken.is_empty() {
+        return Ok(Verdict::Fail(format!("{}: {figures}", broken.join("; "))));
     }
     Ok(Verdict::Pass(figures))
 }
