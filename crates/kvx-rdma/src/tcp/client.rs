@@ -2,14 +2,15 @@
 //!
 //! A session owns `connections` sockets to one peer. A batch is checked (every src in a local
 //! region, every dst in one of the peer's regions) and cut into *windows* of at most
-//! `window_bytes` (ops longer than `slice_bytes` are sliced); windows go round-robin to the
-//! connections through bounded queues (backpressure: posting waits for room). Each connection's
-//! writer sends a window as one vectored stream — vectored-write header and entries, payloads
-//! straight from registered memory, …, fence — and its reader matches the peer's acknowledgements to windows in
-//! order. A batch completes when all its windows are acknowledged, or fails on the first
+//! `window_bytes` (ops longer than `slice_bytes` are sliced). Windows go into one bounded queue
+//! per session (backpressure: posting waits for room); each connection's writer takes the next
+//! window when it is ready, so faster connections carry more. A writer sends a window as one
+//! vectored stream — vectored-write header and entries, payloads straight from registered
+//! memory, …, fence — and the connection's reader matches the peer's acknowledgements to windows
+//! in order. A batch completes when all its windows are acknowledged, or fails on the first
 //! rejection or connection loss. A connection with an unacknowledged window older than
-//! `ack_timeout` is declared dead (silent peer); a dead connection fails everything it carries
-//! and only that.
+//! `ack_timeout` is declared dead (silent peer); a dead connection fails the windows it carries
+//! and stops taking new ones, and only that.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -114,20 +115,18 @@ impl ConnShared {
     }
 }
 
-/// One connection: the queue into its writer.
-struct Conn {
-    tx: mpsc::Sender<Window>,
-    shared: Arc<ConnShared>,
-}
+/// The session's window queue, shared by the connections' writers: whichever connection is
+/// ready takes the next window, so faster connections carry more.
+type SharedQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<Window>>>;
 
 /// A tcp session to one peer.
 pub struct TcpSession {
     peer: String,
     remote: SegmentDescriptor,
     local: Arc<RegionTable>,
-    conns: Vec<Conn>,
+    conns: Vec<Arc<ConnShared>>,
+    tx: mpsc::Sender<Window>,
     cfg: TcpConfig,
-    next_conn: AtomicUsize,
 }
 
 impl TcpSession {
@@ -139,6 +138,9 @@ impl TcpSession {
         streams: Vec<TcpStream>,
         cfg: TcpConfig,
     ) -> Self {
+        let n = streams.len().max(1);
+        let (tx, rx) = mpsc::channel(cfg.queue_depth.max(1) * n);
+        let queue: SharedQueue = Arc::new(tokio::sync::Mutex::new(rx));
         let conns = streams
             .into_iter()
             .map(|stream| {
@@ -150,10 +152,9 @@ impl TcpSession {
                     dead: Mutex::new(None),
                     is_dead: AtomicBool::new(false),
                 });
-                let (tx, rx) = mpsc::channel(cfg.queue_depth.max(1));
-                tokio::spawn(writer(shared.clone(), rx));
+                tokio::spawn(writer(shared.clone(), queue.clone(), tx.downgrade()));
                 tokio::spawn(reader(shared.clone(), cfg.ack_timeout));
-                Conn { tx, shared }
+                shared
             })
             .collect();
         TcpSession {
@@ -161,9 +162,21 @@ impl TcpSession {
             remote,
             local,
             conns,
+            tx,
             cfg,
-            next_conn: AtomicUsize::new(0),
         }
+    }
+
+    /// The cause to report when the connections cannot take a window any more.
+    fn dead_error(conns: &[Arc<ConnShared>]) -> TransportError {
+        conns
+            .iter()
+            .find_map(|c| {
+                lock(&c.dead)
+                    .clone()
+                    .filter(|e| *e != TransportError::Closed)
+            })
+            .unwrap_or(TransportError::Closed)
     }
 
     /// Checks a batch and cuts it into windows.
@@ -236,7 +249,7 @@ impl Session for TcpSession {
     fn is_alive(&self) -> bool {
         self.conns
             .iter()
-            .all(|c| !c.shared.is_dead.load(Ordering::Acquire))
+            .all(|c| !c.is_dead.load(Ordering::Acquire))
     }
 
     fn write_batch(
@@ -253,25 +266,40 @@ impl Session for TcpSession {
             done: Mutex::new(Some(tx)),
         });
         let planned = self.plan(&ops, &batch);
-        let txs: Vec<mpsc::Sender<Window>> = self.conns.iter().map(|c| c.tx.clone()).collect();
-        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let shared: Vec<Arc<ConnShared>> = self.conns.iter().map(|c| c.shared.clone()).collect();
+        let tx = self.tx.clone();
+        let conns = self.conns.clone();
         Box::pin(async move {
             let windows = planned?;
             if windows.is_empty() {
                 return Ok(report);
             }
             batch.windows_left.store(windows.len(), Ordering::Release);
-            for (i, w) in windows.into_iter().enumerate() {
-                let c = (start + i) % txs.len();
-                if txs[c].send(w).await.is_err() {
-                    batch.finish_window(Err(shared[c].dead_error()));
-                    break;
+            let mut rx = rx;
+            let mut early = None;
+            for w in windows {
+                tokio::select! {
+                    sent = tx.send(w) => if sent.is_err() {
+                        batch.finish_window(Err(Self::dead_error(&conns)));
+                        break;
+                    },
+                    // The batch already failed: stop queueing the rest.
+                    r = &mut rx => {
+                        early = Some(r);
+                        break;
+                    }
                 }
             }
-            let r = match rx.await {
+            // Only the windows may keep the completion alive now, so that a window dropped
+            // unsent (no writer left) ends the wait.
+            drop(batch);
+            let done = match early {
+                Some(r) => r,
+                None => rx.await,
+            };
+            let r = match done {
                 Ok(r) => r,
-                Err(_) => Err(TransportError::Closed),
+                // Every window was dropped unsent: the writers are gone.
+                Err(_) => Err(Self::dead_error(&conns)),
             };
             metrics::counter!("kvx_transport_batches_total", "backend" => "tcp",
                 "result" => match &r { Ok(()) => "ok", Err(e) => e.label() })
@@ -281,13 +309,28 @@ impl Session for TcpSession {
     }
 }
 
-async fn writer(c: Arc<ConnShared>, mut rx: mpsc::Receiver<Window>) {
+async fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Window>) {
     let mut next_tag = 1u64;
     let mut meta: Vec<u8> = Vec::new();
-    while let Some(w) = rx.recv().await {
+    loop {
         if c.is_dead.load(Ordering::Acquire) {
-            w.batch.finish_window(Err(c.dead_error()));
-            continue;
+            // Leave the queue to the live connections.
+            return;
+        }
+        let Some(w) = queue.lock().await.recv().await else {
+            break;
+        };
+        if c.is_dead.load(Ordering::Acquire) {
+            // Died while waiting for work: hand the window back for a live connection (if none
+            // is left, the queue is dropped with it and the batch fails with the cause).
+            let back = match requeue.upgrade() {
+                Some(tx) => tx.try_send(w).map_err(|e| e.into_inner()),
+                None => Err(w),
+            };
+            if let Err(w) = back {
+                w.batch.finish_window(Err(c.dead_error()));
+            }
+            return;
         }
         let tag = next_tag;
         next_tag += 1;
