@@ -196,6 +196,8 @@ pub struct DecodeOpts {
     pub seed: u64,
     /// Extra flags.
     pub extra: Vec<String>,
+    /// `RUST_LOG` for this decode (the caller's, else `info`, when absent).
+    pub log: Option<String>,
 }
 
 impl DecodeOpts {
@@ -209,6 +211,7 @@ impl DecodeOpts {
             tp_rank: 0,
             seed: 7,
             extra: Vec::new(),
+            log: None,
         }
     }
 }
@@ -256,7 +259,17 @@ pub fn decode(
     }
     a.extend(model.args(o.tp_rank));
     a.extend(o.extra.iter().cloned());
-    let proc = ctx.spawn_kvx(name, host, &a)?;
+    let bin = ctx.kvx().map_err(anyhow::Error::msg)?.path.clone();
+    let mut cmd = ctx.command(host, &bin);
+    cmd.args(&a)
+        .env(
+            "RUST_LOG",
+            o.log
+                .clone()
+                .unwrap_or_else(|| std::env::var("RUST_LOG").unwrap_or("info".into())),
+        )
+        .env("NO_COLOR", "1");
+    let proc = ctx.spawn(name, cmd)?;
     Ok(Decode { proc, summary })
 }
 
