@@ -159,10 +159,8 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
+    let req = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes())?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);
@@ -226,9 +224,14 @@ kvx_failures_total{cause="peer \"x\" gone"} 2 1700000000000
         let addr = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
+            let mut req = Vec::new();
             let mut buf = [0u8; 1024];
-            let n = s.read(&mut buf).unwrap();
-            assert!(String::from_utf8_lossy(&buf[..n]).starts_with("GET /metrics "));
+            while !req.ends_with(b"\r\n\r\n") {
+                let n = s.read(&mut buf).unwrap();
+                assert!(n > 0, "request cut short");
+                req.extend_from_slice(&buf[..n]);
+            }
+            assert!(String::from_utf8_lossy(&req).starts_with("GET /metrics "));
             s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nkvx_up 1\n")
                 .unwrap();
         });
