@@ -109,7 +109,13 @@ fn hetero_case(
         let (code, s) = d.finish(RUN)?;
         ctx.latencies_ms.extend(&s.latencies_ms);
         if let Some(why) = check(&format!("TP{pt}->TP{dt} decode rank {r}"), code, &s) {
-            return Ok(Err(why));
+            // The decode only sees status 0; the prefill's log has the reason.
+            let cause = prefills
+                .iter()
+                .find_map(|p| common::first_failure_reason(&p.proc))
+                .map(|r| format!(" (prefill: {r})"))
+                .unwrap_or_default();
+            return Ok(Err(format!("{why}{cause}")));
         }
         figures.push(format!("rank {r}: {}/{} verified", s.verified, s.requests));
     }
@@ -136,12 +142,20 @@ pub fn hetero_tp(ctx: &mut Ctx) -> Result<Verdict> {
 fn hetero(ctx: &mut Ctx, extra: &[String]) -> Result<Verdict> {
     let model = Model::new("llama3-8b", 96);
     let n = common::sized(ctx, 8, 100);
+    // Both directions run even when the first fails, so the verdict tells about each.
     let mut figures = Vec::new();
+    let mut failed = false;
     for (pt, dt) in [(2, 1), (1, 2)] {
         match hetero_case(ctx, &model, pt, dt, n, extra)? {
             Ok(f) => figures.push(f),
-            Err(why) => return Ok(Verdict::Fail(why)),
+            Err(why) => {
+                failed = true;
+                figures.push(why);
+            }
         }
+    }
+    if failed {
+        return Ok(Verdict::Fail(figures.join(" | ")));
     }
     Ok(Verdict::Pass(format!(
         "{}; 0 room entries left",

@@ -418,6 +418,14 @@ pub fn drained(ctx: &Ctx, p: &Prefill, timeout: Duration) -> Result<f64> {
     Ok(m.get("kvx_room_entries"))
 }
 
+/// The reason of the first room a process logged as failed (`room failed … reason=…`).
+pub fn first_failure_reason(p: &Proc) -> Option<String> {
+    let log = super::flood::strip_ansi(&p.log_text());
+    log.lines()
+        .find(|l| l.contains("room failed"))
+        .and_then(|l| l.split_once("reason=").map(|(_, r)| r.trim().to_string()))
+}
+
 /// How long a decode may take to declare a prefill dead: `max_fail` heartbeats, each one
 /// interval apart and each failing at the latest after sglang's 3 s read timeout, plus one
 /// interval of slack for the rooms to be failed and the process to exit.
