@@ -18,14 +18,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvx_core::TransferOp;
-use tokio::net::TcpStream;
-use tokio::sync::{Notify, mpsc, oneshot};
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::error::TransportError;
-use crate::mem::{IoPart, RegionTable, Span};
+use crate::mem::{self, IoPart, RegionTable, Span};
 use crate::segment::{RegionKey, SegmentDescriptor};
 use crate::tcp::TcpConfig;
-use crate::tcp::io::write_parts;
 use crate::tcp::wire::{Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, MAX_ENTRIES};
 use crate::transport::{BatchReport, BoxFuture, Session};
 
@@ -80,9 +80,8 @@ struct Pending {
 /// State shared by a connection's writer and reader tasks.
 struct ConnShared {
     peer: String,
-    stream: TcpStream,
+    stream: std::net::TcpStream,
     pending: Mutex<VecDeque<Pending>>,
-    pushed: Notify,
     dead: Mutex<Option<TransportError>>,
     is_dead: AtomicBool,
 }
@@ -111,7 +110,6 @@ impl ConnShared {
         for p in drained {
             p.batch.finish_window(Err(err.clone()));
         }
-        self.pushed.notify_one();
     }
 }
 
@@ -135,7 +133,7 @@ impl TcpSession {
         peer: String,
         remote: SegmentDescriptor,
         local: Arc<RegionTable>,
-        streams: Vec<TcpStream>,
+        streams: Vec<std::net::TcpStream>,
         cfg: TcpConfig,
     ) -> Self {
         let n = streams.len().max(1);
@@ -148,12 +146,23 @@ impl TcpSession {
                     peer: peer.clone(),
                     stream,
                     pending: Mutex::new(VecDeque::new()),
-                    pushed: Notify::new(),
                     dead: Mutex::new(None),
                     is_dead: AtomicBool::new(false),
                 });
-                tokio::spawn(writer(shared.clone(), queue.clone(), tx.downgrade()));
-                tokio::spawn(reader(shared.clone(), cfg.ack_timeout));
+                let (w, q, rq) = (shared.clone(), queue.clone(), tx.downgrade());
+                let r = shared.clone();
+                let timeout = cfg.ack_timeout;
+                let spawned = std::thread::Builder::new()
+                    .name("kvx-tcp-tx".into())
+                    .spawn(move || writer(w, q, rq))
+                    .and_then(|_| {
+                        std::thread::Builder::new()
+                            .name("kvx-tcp-ack".into())
+                            .spawn(move || reader(r, timeout))
+                    });
+                if let Err(e) = spawned {
+                    shared.fail(TransportError::from(e));
+                }
                 shared
             })
             .collect();
@@ -309,7 +318,8 @@ impl Session for TcpSession {
     }
 }
 
-async fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Window>) {
+/// A connection's sending thread (blocking socket: the kernel sleeps and wakes it directly).
+fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Window>) {
     let mut next_tag = 1u64;
     let mut meta: Vec<u8> = Vec::new();
     loop {
@@ -317,14 +327,16 @@ async fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSende
             // Leave the queue to the live connections.
             return;
         }
-        let Some(w) = queue.lock().await.recv().await else {
+        let Some(w) = queue.blocking_lock().blocking_recv() else {
             break;
         };
         if c.is_dead.load(Ordering::Acquire) {
             // Died while waiting for work: hand the window back for a live connection (if none
             // is left, the queue is dropped with it and the batch fails with the cause).
             let back = match requeue.upgrade() {
-                Some(tx) => tx.try_send(w).map_err(|e| e.into_inner()),
+                Some(tx) => tx.try_send(w).map_err(|e| match e {
+                    mpsc::error::TrySendError::Full(w) | mpsc::error::TrySendError::Closed(w) => w,
+                }),
                 None => Err(w),
             };
             if let Err(w) = back {
@@ -374,8 +386,7 @@ async fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSende
             batch: w.batch.clone(),
             since: Instant::now(),
         });
-        c.pushed.notify_one();
-        match write_parts(&c.stream, &parts).await {
+        match write_parts_blocking(&c.stream, &parts) {
             Ok(n) => {
                 metrics::counter!("kvx_tcp_bytes_sent_total").increment(n);
             }
@@ -391,51 +402,46 @@ async fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSende
     c.fail(TransportError::Closed);
 }
 
-async fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
+/// A connection's acknowledgement thread: reads ACKs, and fails the connection when the oldest
+/// window waits longer than `ack_timeout` (the socket's receive timeout bounds each wait).
+fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
     let mut buf = [0u8; HEADER_LEN];
     let mut have = 0usize;
+    let tick = (ack_timeout / 4).clamp(
+        std::time::Duration::from_millis(1),
+        std::time::Duration::from_millis(100),
+    );
+    let _ = c.stream.set_read_timeout(Some(tick));
     loop {
         if c.is_dead.load(Ordering::Acquire) {
             return;
         }
-        let oldest = lock(&c.pending).front().map(|p| p.since);
-        let deadline = oldest.map(|t| tokio::time::Instant::from_std(t + ack_timeout));
-        tokio::select! {
-            r = c.stream.readable() => {
-                if let Err(e) = r {
-                    c.fail(TransportError::PeerLost { peer: c.peer.clone(), detail: e.to_string() });
-                    return;
-                }
-                match c.stream.try_read(&mut buf[have..]) {
-                    Ok(0) => {
-                        c.fail(TransportError::PeerLost {
-                            peer: c.peer.clone(),
-                            detail: "connection closed by peer".into(),
-                        });
+        match (&c.stream).read(&mut buf[have..]) {
+            Ok(0) => {
+                c.fail(TransportError::PeerLost {
+                    peer: c.peer.clone(),
+                    detail: "connection closed by peer".into(),
+                });
+                return;
+            }
+            Ok(n) => {
+                have += n;
+                if have == HEADER_LEN {
+                    have = 0;
+                    if let Err(e) = on_ack(&c, &buf) {
+                        c.fail(e);
                         return;
                     }
-                    Ok(n) => have += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(e) => {
-                        c.fail(TransportError::PeerLost { peer: c.peer.clone(), detail: e.to_string() });
-                        return;
-                    }
-                }
-                if have < HEADER_LEN {
-                    continue;
-                }
-                have = 0;
-                if let Err(e) = on_ack(&c, &buf) {
-                    c.fail(e);
-                    return;
                 }
             }
-            _ = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => c.pushed.notified().await,
-                }
-            } => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
                 let expired = lock(&c.pending)
                     .front()
                     .is_some_and(|p| p.since.elapsed() >= ack_timeout);
@@ -447,8 +453,50 @@ async fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
                     return;
                 }
             }
+            Err(e) => {
+                c.fail(TransportError::PeerLost {
+                    peer: c.peer.clone(),
+                    detail: e.to_string(),
+                });
+                return;
+            }
         }
     }
+}
+
+/// Writes every byte of `parts` on a blocking socket.
+fn write_parts_blocking(
+    stream: &std::net::TcpStream,
+    parts: &[IoPart<'_>],
+) -> std::io::Result<u64> {
+    let fd = stream.as_raw_fd();
+    let (mut idx, mut off, mut total) = (0usize, 0usize, 0u64);
+    while idx < parts.len() {
+        if parts[idx].len() == off {
+            idx += 1;
+            off = 0;
+            continue;
+        }
+        let mut n = match mem::writev(fd, &parts[idx..], off) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        total += n as u64;
+        while n > 0 && idx < parts.len() {
+            let left = parts[idx].len() - off;
+            if n >= left {
+                n -= left;
+                idx += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(total)
 }
 
 fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), TransportError> {

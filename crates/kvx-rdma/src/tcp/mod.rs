@@ -75,6 +75,7 @@ struct Inner {
     endpoint: String,
     sessions: Mutex<HashMap<String, Arc<TcpSession>>>,
     server: Mutex<Option<(JoinHandle<()>, oneshot::Sender<()>)>>,
+    server_ctx: Option<Arc<server::ServerCtx>>,
 }
 
 impl Drop for Inner {
@@ -86,6 +87,10 @@ impl Drop for Inner {
             .take()
         {
             h.0.abort();
+        }
+        // Receive threads must not outlive the transport (its regions may be freed next).
+        if let Some(ctx) = &self.server_ctx {
+            ctx.close_all();
         }
     }
 }
@@ -109,9 +114,12 @@ impl TcpTransport {
             max_write_len: cfg.max_write_len,
             handshake_timeout: cfg.connect_timeout,
             socket_buffer: cfg.socket_buffer,
+            live: Mutex::new(HashMap::new()),
+            next_conn: Default::default(),
+            closed: Default::default(),
         });
         let (stop, stopped) = oneshot::channel();
-        let handle = tokio::spawn(server::accept_loop(listener, ctx, stopped));
+        let handle = tokio::spawn(server::accept_loop(listener, ctx.clone(), stopped));
         tracing::info!(%endpoint, "tcp transport listening");
         Ok(Arc::new(TcpTransport {
             inner: Inner {
@@ -120,6 +128,7 @@ impl TcpTransport {
                 endpoint,
                 sessions: Mutex::new(HashMap::new()),
                 server: Mutex::new(Some((handle, stop))),
+                server_ctx: Some(ctx),
             },
         }))
     }
@@ -133,6 +142,7 @@ impl TcpTransport {
                 endpoint: String::new(),
                 sessions: Mutex::new(HashMap::new()),
                 server: Mutex::new(None),
+                server_ctx: None,
             },
         })
     }
@@ -170,6 +180,10 @@ impl TcpTransport {
                     peer: peer.to_owned(),
                     detail: "connect timed out".into(),
                 })??;
+            // Data phase on blocking sockets driven by the connection's own threads.
+            let s = s
+                .into_std()
+                .and_then(|s| s.set_nonblocking(false).map(|()| s))?;
             streams.push(s);
             remote.get_or_insert(d);
         }

@@ -8,12 +8,14 @@
 //! or a malformed header is reported and the connection closed (the stream cannot be resynced).
 //! A connection's failure never affects the listener or other connections.
 
+use std::collections::HashMap;
 use std::io;
+use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
@@ -33,6 +35,25 @@ pub(crate) struct ServerCtx {
     pub max_write_len: u32,
     pub handshake_timeout: Duration,
     pub socket_buffer: Option<usize>,
+    /// Sockets of the connections in their data phase (shut down on stop).
+    pub live: Mutex<HashMap<u64, std::net::TcpStream>>,
+    pub next_conn: AtomicU64,
+    /// Set once the transport stops serving.
+    pub closed: std::sync::atomic::AtomicBool,
+}
+
+impl ServerCtx {
+    /// Shuts down every connection in its data phase (their receive threads see EOF and end).
+    pub fn close_all(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        for s in lock(&self.live).values() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Accepts connections until `stop` fires (or the task is aborted); then closes every inbound
@@ -47,6 +68,7 @@ pub(crate) async fn accept_loop(
         tokio::select! {
             _ = &mut stop => {
                 drop(listener);
+                ctx.close_all();
                 conns.shutdown().await;
                 return;
             }
@@ -155,7 +177,7 @@ impl Window {
     }
 }
 
-async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
+async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
     match tokio::time::timeout(ctx.handshake_timeout, handshake(&stream, ctx)).await {
         Ok(Ok(true)) => {}
         Ok(Ok(false)) => return Ok(()),
@@ -168,6 +190,26 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
             return Err(io::ErrorKind::TimedOut.into());
         }
     }
+    // The data phase runs on a blocking thread with a blocking socket: the kernel sleeps and
+    // wakes the thread directly (no readiness round trips), as a plain socket loop does.
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    let id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
+    lock(&ctx.live).insert(id, stream.try_clone()?);
+    if ctx.closed.load(Ordering::SeqCst) {
+        lock(&ctx.live).remove(&id);
+        return Ok(());
+    }
+    let ctx2 = ctx.clone();
+    let r = tokio::task::spawn_blocking(move || receive(&stream, &ctx2))
+        .await
+        .unwrap_or_else(|e| Err(io::Error::other(e)));
+    lock(&ctx.live).remove(&id);
+    r
+}
+
+/// The receive loop of one connection (blocking).
+fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     let mut hdr = [0u8; HEADER_LEN];
     let mut have = 0usize;
@@ -180,17 +222,17 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
         let n = match &mut state {
             State::Header => {
                 let tail = &mut hdr[have..];
-                read_some(&stream, || mem::readv_targets(fd, &[], 0, &mut [], tail)).await?
+                read_blocking(|| mem::readv_targets(fd, &[], 0, &mut [], tail))?
             }
             State::Entries { buf, have: got } => {
                 let tail = &mut buf[*got..];
-                read_some(&stream, || mem::readv_targets(fd, &[], 0, &mut [], tail)).await?
+                read_blocking(|| mem::readv_targets(fd, &[], 0, &mut [], tail))?
             }
             State::Payload { targets, idx, off } => {
                 let (t, o) = (&targets[*idx..], *off);
                 let tail = &mut hdr[have..];
                 let scratch = &mut scratch[..];
-                read_some(&stream, || mem::readv_targets(fd, t, o, scratch, tail)).await?
+                read_blocking(|| mem::readv_targets(fd, t, o, scratch, tail))?
             }
         };
         if n == 0 {
@@ -210,7 +252,7 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                     state = match entries_to_payload(&buf, ctx, &mut win) {
                         Ok(s) => s,
                         Err(e) => {
-                            let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
+                            let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
                             return Err(e);
                         }
                     };
@@ -254,7 +296,7 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
             Ok(f) => f,
             Err(reason) => {
                 win.reject(reason, 0);
-                let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
+                let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
                 return Err(proto_err("malformed frame header"));
             }
         };
@@ -271,7 +313,7 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                     }
                     Some(_) => {}
                     None => {
-                        let _ = write_all(&stream, &win.ack(u64::MAX).encode()).await;
+                        let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
                         return Err(proto_err(format!("write of {len} bytes exceeds the limit")));
                     }
                 }
@@ -285,7 +327,7 @@ async fn serve(stream: TcpStream, ctx: &ServerCtx) -> io::Result<()> {
             ClientFrame::Fence { tag } => {
                 let ack = win.ack(tag);
                 metrics::counter!("kvx_tcp_bytes_received_total").increment(ack.bytes);
-                write_all(&stream, &ack.encode()).await?;
+                (&*stream).write_all(&ack.encode())?;
             }
         }
     }
@@ -338,20 +380,12 @@ fn entries_to_payload(buf: &[u8], ctx: &ServerCtx, win: &mut Window) -> io::Resu
     })
 }
 
-/// Runs `f` when the socket is readable until it stops returning `WouldBlock`.
-async fn read_some(
-    stream: &TcpStream,
-    mut f: impl FnMut() -> io::Result<usize>,
-) -> io::Result<usize> {
+/// Runs one blocking read, retrying on `EINTR`.
+fn read_blocking(mut f: impl FnMut() -> io::Result<usize>) -> io::Result<usize> {
     loop {
-        match stream.try_io(Interest::READABLE, &mut f) {
-            Ok(n) => {
-                // A busy connection must still yield now and then (fairness, prompt shutdown).
-                tokio::task::consume_budget().await;
-                return Ok(n);
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.readable().await?,
-            Err(e) => return Err(e),
+        match f() {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
         }
     }
 }
