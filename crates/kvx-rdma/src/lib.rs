@@ -22,6 +22,37 @@
 //! assert_eq!(d.find(0x10800, 256).unwrap().key, RegionKey(9));
 //! assert!(d.find(0x10f00, 512).is_none());
 //! ```
+//!
+//! A decode-side receiver and a prefill-side sender over the tcp backend:
+//!
+//! ```
+//! use kvx_core::TransferOp;
+//! use kvx_rdma::{TcpConfig, TcpTransport, Transport};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let rt = tokio::runtime::Runtime::new()?;
+//! let mut kv = vec![0u8; 4096]; // decode memory
+//! let mut pages = vec![7u8; 4096]; // prefill memory
+//! rt.block_on(async {
+//!     let decode = TcpTransport::bind("127.0.0.1:0", TcpConfig::default()).await?;
+//!     let prefill = TcpTransport::client(TcpConfig::default());
+//!     // SAFETY: both buffers outlive the transports (dropped at the end of this block).
+//!     unsafe {
+//!         decode.register(kv.as_mut_ptr() as u64, 4096)?;
+//!         prefill.register(pages.as_mut_ptr() as u64, 4096)?;
+//!     }
+//!     // The decode publishes `decode.endpoint()` as its session id; the prefill connects to it.
+//!     let session = prefill.connect(&decode.endpoint()).await?;
+//!     let op = TransferOp::new(pages.as_ptr() as u64, kv.as_ptr() as u64 + 1024, 512);
+//!     let report = session.write_batch(vec![op]).await?;
+//!     assert_eq!(report.bytes, 512);
+//!     Ok::<_, kvx_rdma::TransportError>(())
+//! })?;
+//! assert_eq!(&kv[1024..1536], &[7u8; 512][..]);
+//! assert_eq!(kv[1023], 0);
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod error;
 pub mod local;
