@@ -208,7 +208,7 @@ impl Peer {
             endpoint: self.me.clone(),
             session: self.session.clone(),
             kv_ptrs: l.kv_ptrs(self.kv.base()),
-            aux_ptrs: vec![self.aux.base()],
+            aux_ptrs: l.aux_ptrs(self.aux.base()),
             state_ptrs: vec![],
             dst_tp_rank,
             dst_attn_tp_size: self.cfg.tp_size.max(1),
@@ -242,18 +242,26 @@ impl Peer {
                 bytes += l.item_len;
             }
         }
-        let addr = self.aux.base() + row * l.aux_item_len;
+        let ptrs = l.aux_ptrs(self.aux.base());
+        let data = ptrs[0] + row * l.aux_item_len;
+        let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
         let ok = self
             .aux
-            .read(addr, l.aux_item_len)
-            .is_ok_and(|d| model::check_aux(d, room.get()));
+            .read(data, l.aux_item_len)
+            .is_ok_and(|d| model::check_aux(d, room.get()))
+            && self
+                .aux
+                .read(slot, model::AUX_ROOM_LEN)
+                .is_ok_and(|d| d == room.get().to_le_bytes());
         // sglang zeroes the room slot of a used aux row.
-        let _ = self.aux.write_with(addr, 8, |s| s.fill(0));
+        let _ = self
+            .aux
+            .write_with(slot, model::AUX_ROOM_LEN, |s| s.fill(0));
         if !ok {
             tracing::error!(%room, row, "aux row differs from the pattern");
             return None;
         }
-        Some(bytes + l.aux_item_len)
+        Some(bytes + l.aux_item_len + model::AUX_ROOM_LEN)
     }
 }
 

@@ -1,8 +1,10 @@
 //! The prefill sender as a library: one [`PrefillEngine`] is one prefill rank.
 //!
-//! It binds the rank's ZMQ inbox (sglang's PULL socket), feeds every decode message into the
-//! [`RoomTable`], runs the transfer workers on sharded queues under a supervisor, and sends status
-//! and `ABORT_ACK` messages from one notifier thread that never blocks a worker. An embedding
+//! It binds the rank's ZMQ inbox (sglang's PULL socket), feeds every decode message, sender call,
+//! completion and clock tick into `kvx-core`'s [`PrefillManager`] (the deterministic room state
+//! machine and planner) and performs its actions: batches go to transfer workers on sharded
+//! queues under a supervisor; status and `ABORT_ACK` messages go out from one notifier thread
+//! that never blocks a worker. An embedding
 //! engine registers its memory once ([`PrefillMemory`]), opens rooms, hands chunks to
 //! [`PrefillEngine::send`] as its forward pass finishes them and polls [`PrefillEngine::poll`].
 //!
@@ -14,29 +16,32 @@
 //!
 //! let kv = Arc::new(Region::new(64 * 4096));
 //! let aux = Arc::new(Region::new(64 * 64));
-//! let mem = PrefillMemory::new(kv.clone(), vec![kv.base()], 4096, aux.clone(), vec![aux.base()], vec![64]);
+//! // One layer: a K and a V buffer of 32 pages of 4 KiB each; one aux buffer of 8-byte room rows.
+//! let kv_ptrs = vec![kv.base(), kv.base() + 32 * 4096];
+//! let mem = PrefillMemory::new(kv.clone(), kv_ptrs, 4096, aux.clone(), vec![aux.base()], vec![8]);
 //! let rt = tokio::runtime::Runtime::new().unwrap();
 //! let engine = PrefillEngine::start(PrefillConfig::default(), mem, rt.handle().clone()).unwrap();
 //! let room = Room::new(42).unwrap();
-//! engine.open_room(room, 0);
+//! engine.open_room(room).unwrap(); // the request arrived: the sender exists
+//! engine.init_room(room, 2, 0).unwrap(); // 2 pages, this rank's aux row 0
 //! // ... once the decode's metadata arrived:
 //! if engine.poll(room) == Some(KVPoll::WaitingForInput) {
 //!     engine.send(room, Chunk::new(PageSlice::new(0, 2).unwrap(), vec![3, 4]).last()).unwrap();
 //! }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvx_core::{Chunk, Endpoint, KVPoll, Room};
+use kvx_core::prefill::{LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager};
+use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room};
 
 use crate::fault::TransferThreadFailed;
 use crate::plane::DataPlane;
 use crate::region::Region;
-use crate::rooms::{Action, RoomTable, SendError};
 use crate::wire::{self, Frames, PrefillInbound};
 use crate::worker::{self, Job, JobQueue};
 
@@ -59,10 +64,15 @@ pub struct PrefillConfig {
     pub bootstrap_timeout: Duration,
     /// Restart a dead worker instead of stopping the rank.
     pub restart_workers: bool,
-    /// `prefill_unique_rank` sent in status messages.
-    pub unique_rank: u32,
-    /// Drop room entries as soon as they are released (no `clear` calls needed).
-    pub auto_clear: bool,
+    /// Attention-TP rank of this prefill rank.
+    pub tp_rank: u32,
+    /// Attention-TP size of the prefill instance.
+    pub tp_size: u32,
+    /// KV heads of the whole model (for head-slice plans towards a different decode TP).
+    pub total_kv_heads: u32,
+    /// Create the sender of every room a decode announces (the synthetic forward pass) instead
+    /// of waiting for [`PrefillEngine::open_room`].
+    pub auto_open: bool,
     /// Deliver [`EngineEvent`]s through [`PrefillEngine::take_events`].
     pub events: bool,
     /// Data-plane connect and I/O timeout.
@@ -84,8 +94,10 @@ impl Default for PrefillConfig {
             max_batch_bytes: 64 << 20,
             bootstrap_timeout: Duration::from_secs(300),
             restart_workers: false,
-            unique_rank: 0,
-            auto_clear: false,
+            tp_rank: 0,
+            tp_size: 1,
+            total_kv_heads: 1,
+            auto_open: false,
             events: false,
             connect_timeout: Duration::from_secs(10),
             connections: 2,
@@ -109,7 +121,8 @@ pub struct PrefillMemory {
     pub aux: Arc<Region>,
     /// One address per aux buffer.
     pub aux_ptrs: Vec<u64>,
-    /// Bytes per row of each aux buffer.
+    /// Bytes per row of each aux buffer; the last buffer's rows carry the room (at least 8
+    /// bytes, sglang's `bootstrap_room`).
     pub aux_item_lens: Vec<u64>,
 }
 
@@ -189,6 +202,12 @@ pub enum EngineError {
     /// The data plane refused the memory.
     #[error("transport: {0}")]
     Transport(#[from] kvx_rdma::TransportError),
+    /// The memory layout or limits are unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The aux layout is unusable.
+    #[error("aux layout: {0}")]
+    Layout(#[from] kvx_core::LayoutError),
     /// The bound endpoint could not be read back.
     #[error("cannot read the bound inbox endpoint")]
     Endpoint,
@@ -199,13 +218,25 @@ pub(crate) enum Notice {
     Flush(Sender<()>),
 }
 
+/// Rooms as the driver tracks them beside the manager.
+#[derive(Default)]
+struct RoomSets {
+    /// Every room the manager may hold (for gauges).
+    known: HashSet<Room>,
+    /// Rooms announced to the forward pass.
+    announced: HashSet<Room>,
+    /// Rooms concluded whose entries the manager still holds.
+    concluded: HashMap<Room, KVPoll>,
+}
+
 /// State shared by the engine's threads.
 pub(crate) struct Shared {
     pub(crate) cfg: PrefillConfig,
     pub(crate) mem: PrefillMemory,
-    pub(crate) table: Mutex<RoomTable>,
+    pub(crate) table: Mutex<PrefillManager>,
+    rooms: Mutex<RoomSets>,
+    queues: Vec<Sender<Job>>,
     pub(crate) stop: AtomicBool,
-    pub(crate) current: Vec<Mutex<Option<(Room, bool)>>>,
     pub(crate) plane: DataPlane,
     pub(crate) rt: tokio::runtime::Handle,
     notices: Mutex<Sender<Notice>>,
@@ -219,29 +250,108 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// Executes the table's actions.
-    pub(crate) fn apply(&self, actions: Vec<Action>) {
+    /// Feeds one event to the room manager under its lock and performs the actions.
+    pub(crate) fn handle(&self, event: PrefillEvent) -> Result<(), PrefillError> {
+        let mut out = Vec::new();
+        let mut m = lock(&self.table);
+        let r = m.handle(Instant::now(), event, &mut out);
+        // Rooms whose entries the manager dropped are released: their pages may be reused.
+        let mut rooms = lock(&self.rooms);
+        for a in &out {
+            if let PrefillAction::Concluded { room, status, .. } = a {
+                rooms.concluded.insert(*room, *status);
+            }
+        }
+        let released: Vec<(Room, KVPoll)> = rooms
+            .concluded
+            .iter()
+            .filter(|(room, _)| m.poll(**room).is_none())
+            .map(|(r, s)| (*r, *s))
+            .collect();
+        for (room, _) in &released {
+            rooms.concluded.remove(room);
+            rooms.announced.remove(room);
+        }
+        rooms.known.retain(|r| m.poll(*r).is_some());
+        drop(rooms);
+        drop(m);
+        self.apply(out);
+        for (room, status) in released {
+            self.event(EngineEvent::Released { room, status });
+        }
+        r
+    }
+
+    /// Performs the manager's actions.
+    fn apply(&self, actions: Vec<PrefillAction>) {
         for a in actions {
             match a {
-                Action::Status {
-                    endpoint,
+                PrefillAction::PostBatch {
                     room,
+                    session,
+                    batch_id,
+                    ops,
+                    ..
+                } => {
+                    let shard = (session.port().unwrap_or(0) % self.queues.len() as u64) as usize;
+                    let job = Job {
+                        room,
+                        session,
+                        batch_id,
+                        ops,
+                    };
+                    if let Err(e) = self.queues[shard].send(job) {
+                        let job = e.0;
+                        let _ = self.handle(PrefillEvent::BatchDone {
+                            batch_id: job.batch_id,
+                            result: Err("transfer queue closed".into()),
+                        });
+                    }
+                }
+                PrefillAction::Stage { batch_id, .. } => {
+                    let _ = self.handle(PrefillEvent::BatchDone {
+                        batch_id,
+                        result: Err("staging is not supported by this engine".into()),
+                    });
+                }
+                PrefillAction::FillRoomRow { room, addr, len } => {
+                    let _ = self
+                        .mem
+                        .aux
+                        .write_with(addr, len, |row| kvx_core::fill_room_row(row, room));
+                }
+                PrefillAction::SendAuxData { room, .. } => {
+                    tracing::warn!(%room, "aux rows over the control plane are not enabled here");
+                }
+                PrefillAction::SendStatus {
+                    room,
+                    endpoint,
                     status,
+                    prefill_rank,
+                    ..
                 } => {
                     metrics::counter!("kvx_status_sent_total", "status" => status.to_string())
                         .increment(1);
-                    let f = wire::encode_status(room, status, self.cfg.unique_rank);
+                    let f = wire::encode_status(room, status, prefill_rank);
                     let _ = lock(&self.notices).send(Notice::Send(endpoint, f));
                 }
-                Action::AbortAck { endpoint, room } => {
+                PrefillAction::AbortAck { endpoint, room, .. } => {
                     let _ = lock(&self.notices)
                         .send(Notice::Send(endpoint, wire::encode_abort_ack(room)));
                 }
-                Action::Ready { room, pages } => self.event(EngineEvent::Ready { room, pages }),
-                Action::Released { room, status } => {
+                PrefillAction::Concluded {
+                    room,
+                    status,
+                    reason,
+                } => {
+                    if status == KVPoll::Failed {
+                        metrics::counter!("kvx_room_failures_total").increment(1);
+                        if let Some(r) = &reason {
+                            tracing::warn!(%room, reason = %r, "room failed");
+                        }
+                    }
                     metrics::counter!("kvx_rooms_finished_total", "status" => status.to_string())
                         .increment(1);
-                    self.event(EngineEvent::Released { room, status })
                 }
             }
         }
@@ -272,7 +382,6 @@ impl Shared {
 /// One running prefill rank.
 pub struct PrefillEngine {
     shared: Arc<Shared>,
-    queues: Vec<Sender<Job>>,
     endpoint: Endpoint,
     events: Mutex<Option<Receiver<EngineEvent>>>,
     fatal_rx: Mutex<Receiver<Arc<TransferThreadFailed>>>,
@@ -325,14 +434,30 @@ impl PrefillEngine {
             senders.push(tx);
             queues.push(Arc::new(Mutex::new(rx)));
         }
+        let local = LocalMemory {
+            kv: mem.kv_layout(cfg.page_size),
+            aux: AuxLayout::new(
+                &mem.aux_ptrs,
+                &mem.aux_item_lens,
+                mem.aux_item_lens.len().saturating_sub(1),
+                None,
+            )?,
+            state: Vec::new(),
+        };
+        let mcfg = kvx_core::PrefillConfig {
+            attn_tp_rank: cfg.tp_rank,
+            attn_tp_size: cfg.tp_size.max(1),
+            total_kv_heads: cfg.total_kv_heads.max(1),
+            bootstrap_timeout: cfg.bootstrap_timeout,
+            batch_limits: BatchLimits::new(cfg.max_batch_ops.max(1), cfg.max_batch_bytes.max(1))
+                .map_err(|e| EngineError::Config(e.to_string()))?,
+            ..kvx_core::PrefillConfig::default()
+        };
         let shared = Arc::new(Shared {
-            table: Mutex::new(RoomTable::new(
-                cfg.bootstrap_timeout,
-                queues.len(),
-                cfg.auto_clear,
-            )),
+            table: Mutex::new(PrefillManager::new(mcfg, local)),
+            rooms: Mutex::new(RoomSets::default()),
+            queues: senders.clone(),
             stop: AtomicBool::new(false),
-            current: (0..queues.len()).map(|_| Mutex::new(None)).collect(),
             plane,
             rt,
             notices: Mutex::new(notice_tx),
@@ -358,7 +483,6 @@ impl PrefillEngine {
         tracing::info!(%endpoint, "prefill rank inbox bound");
         Ok(PrefillEngine {
             shared,
-            queues: senders,
             endpoint,
             events: Mutex::new(Some(events_rx)),
             fatal_rx: Mutex::new(fatal_rx),
@@ -375,51 +499,51 @@ impl PrefillEngine {
         &self.shared.cfg
     }
 
-    /// Opens a room (sglang's sender `init`): `aux_index` is this rank's aux row for it.
-    pub fn open_room(&self, room: Room, aux_index: i64) {
-        lock(&self.shared.table).open(room, aux_index, Instant::now());
+    /// Creates the room's sender (sglang's `KVSender.__init__`): the bootstrap timeout starts.
+    pub fn open_room(&self, room: Room) -> Result<(), PrefillError> {
+        self.shared.handle(PrefillEvent::SenderCreated { room })
     }
 
-    /// Sets this rank's aux row for a room the decodes already opened (the synthetic forward
-    /// pass); false when the room is unknown or terminal.
-    pub fn attach_room(&self, room: Room, aux_index: i64) -> bool {
-        lock(&self.shared.table).attach(room, aux_index)
+    /// Sets the room's page count and this rank's aux row (sglang's sender `init`).
+    pub fn init_room(
+        &self,
+        room: Room,
+        num_pages: usize,
+        aux_row: u64,
+    ) -> Result<(), PrefillError> {
+        self.shared.handle(PrefillEvent::SenderInit {
+            room,
+            num_pages,
+            aux_row,
+        })
     }
 
-    /// Queues a finished chunk of a room; chunks of a room are written in order.
-    pub fn send(&self, room: Room, chunk: Chunk) -> Result<(), SendError> {
-        let shard = lock(&self.shared.table).enqueue(room, &chunk)?;
-        if self.queues[shard].send(Job { room, chunk }).is_err() {
-            let actions = lock(&self.shared.table).done(room, false, Err("queue closed".into()));
-            self.shared.apply(actions);
-        }
-        Ok(())
+    /// Hands over a finished chunk; its writes are planned and queued (chunks of a room are
+    /// written in order, on one queue).
+    pub fn send(&self, room: Room, chunk: Chunk) -> Result<(), PrefillError> {
+        self.shared.handle(PrefillEvent::Chunk { room, chunk })
     }
 
     /// Fails a room from the sender side (its decodes get status 0).
-    pub fn fail_room(&self, room: Room, reason: String) {
-        let actions = lock(&self.shared.table).fail(room, reason);
-        self.shared.apply(actions);
+    pub fn fail_room(&self, room: Room) {
+        let _ = self.shared.handle(PrefillEvent::LocalAbort { room });
     }
 
-    /// The room's status, `None` when unknown (or already cleared).
+    /// The room's status, `None` when unknown (or already released).
     pub fn poll(&self, room: Room) -> Option<KVPoll> {
         lock(&self.shared.table).poll(room)
     }
 
     /// The first recorded failure reason of a room.
     pub fn failure(&self, room: Room) -> Option<String> {
-        lock(&self.shared.table).failure(room).map(str::to_owned)
-    }
-
-    /// Forgets a terminal room (sglang's sender `clear`).
-    pub fn clear(&self, room: Room) {
-        lock(&self.shared.table).clear(room);
+        lock(&self.shared.table)
+            .failure(room)
+            .map(ToString::to_string)
     }
 
     /// Live per-room entries.
     pub fn live_rooms(&self) -> usize {
-        lock(&self.shared.table).len()
+        lock(&self.shared.table).live_entries().rooms
     }
 
     /// The event stream (once; `None` afterwards or when `events` is off).
@@ -518,7 +642,7 @@ fn handle_inbound(shared: &Shared, frames: &[Vec<u8>]) {
             return;
         }
     };
-    let actions = match msg {
+    match msg {
         PrefillInbound::Registration(reg) => {
             if reg.dcp_size > 1 {
                 metrics::counter!("kvx_malformed_frames_total", "kind" => "unsupported_dcp")
@@ -528,41 +652,54 @@ fn handle_inbound(shared: &Shared, frames: &[Vec<u8>]) {
             }
             metrics::counter!("kvx_registrations_total").increment(1);
             tracing::info!(session = %reg.session, endpoint = %reg.endpoint, "decode registered");
-            lock(&shared.table).register(*reg);
-            Vec::new()
+            let _ = shared.handle(PrefillEvent::Register(*reg));
         }
         PrefillInbound::Metadata(req) => {
             let room = req.room;
-            let dead = lock(&shared.fatal).clone();
-            let mut t = lock(&shared.table);
-            let mut actions = t.metadata(*req, Instant::now());
-            if let Some(err) = dead {
-                // The rank is going down: a room opened now can never be served.
-                actions.extend(t.fail(room, err.to_string()));
+            let pages = req.dst.as_ref().map_or(0, |d| d.kv_pages.len());
+            lock(&shared.rooms).known.insert(room);
+            let _ = shared.handle(PrefillEvent::Metadata(*req));
+            if shared.cfg.auto_open {
+                // The synthetic forward pass: every announced room gets a sender.
+                let _ = shared.handle(PrefillEvent::SenderCreated { room });
             }
-            actions
+            if let Some(err) = lock(&shared.fatal).clone() {
+                // The rank is going down: a room opened now can never be served.
+                let _ = shared.handle(PrefillEvent::Fatal {
+                    reason: err.to_string(),
+                });
+                return;
+            }
+            let ready = lock(&shared.table).poll(room) == Some(KVPoll::WaitingForInput)
+                && lock(&shared.rooms).announced.insert(room);
+            if ready {
+                shared.event(EngineEvent::Ready { room, pages });
+            }
         }
         PrefillInbound::Abort { room, endpoint } => {
             metrics::counter!("kvx_aborts_total").increment(1);
-            lock(&shared.table).abort(room, endpoint)
+            let _ = shared.handle(PrefillEvent::Abort { room, endpoint });
         }
         PrefillInbound::Staging(kind) => {
             metrics::counter!("kvx_ignored_messages_total", "kind" => kind).increment(1);
-            Vec::new()
         }
-    };
-    shared.apply(actions);
+    }
 }
 
 fn timer_loop(shared: &Shared) {
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
-        let (actions, counts, live) = {
-            let mut t = lock(&shared.table);
-            let a = t.tick(Instant::now());
-            (a, t.counts(), t.len())
+        let _ = shared.handle(PrefillEvent::Tick);
+        let mut counts = [0usize; 5];
+        let live = {
+            let m = lock(&shared.table);
+            for r in &lock(&shared.rooms).known {
+                if let Some(p) = m.poll(*r) {
+                    counts[p.as_u8() as usize] += 1;
+                }
+            }
+            m.live_entries().rooms
         };
-        shared.apply(actions);
         for s in KVPoll::ALL {
             metrics::gauge!("kvx_rooms", "state" => s.to_string())
                 .set(counts[s.as_u8() as usize] as f64);

@@ -68,7 +68,8 @@ impl SyntheticModel {
             while let Some(&(room, n)) = waiting.front() {
                 if n >= self.layout.pool_pages as usize {
                     waiting.pop_front();
-                    engine.fail_room(room, format!("room needs {n} pages, the pool has fewer"));
+                    tracing::warn!(%room, pages = n, "room larger than the whole pool");
+                    engine.fail_room(room);
                     continue;
                 }
                 let Some(row) = rows.last().copied() else {
@@ -80,8 +81,9 @@ impl SyntheticModel {
                 rows.pop();
                 waiting.pop_front();
                 self.fill(room, &pages, row);
-                if !engine.attach_room(room, row as i64) {
+                if let Err(e) = engine.init_room(room, n, row) {
                     // failed or gone meanwhile: nothing will be sent
+                    tracing::debug!(%room, error = %e, "room not initialised");
                     self.pages.free(&pages);
                     rows.push(row);
                     continue;

@@ -32,7 +32,6 @@ pub mod pages;
 pub mod plane;
 pub mod prefill_cmd;
 pub mod region;
-pub mod rooms;
 pub mod telemetry;
 pub mod wire;
 pub mod worker;

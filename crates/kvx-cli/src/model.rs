@@ -36,23 +36,26 @@ pub struct KvLayout {
     pub page_size: u64,
     /// Pages per buffer in the pool.
     pub pool_pages: u64,
-    /// Bytes per aux row.
+    /// Bytes per row of the aux data buffer (aux buffer 0; the room buffer, aux buffer 1, has
+    /// 8-byte rows holding sglang's `bootstrap_room`).
     pub aux_item_len: u64,
     /// Aux rows in the pool.
     pub aux_rows: u64,
     /// True for MLA models (one latent buffer per layer).
     pub mla: bool,
+    /// KV heads of the whole model (1 for MLA latents).
+    pub total_kv_heads: u32,
 }
 
 impl ModelPreset {
     /// The layout of rank `tp_rank` of `tp_size` with the given page size and pool size.
     pub fn layout(self, tp_size: u32, page_size: u64, pool_pages: u64) -> KvLayout {
         let tp = u64::from(tp_size.max(1));
-        let (layers, elems_per_token, mla) = match self {
-            ModelPreset::Llama3_8b => (32, (8 / tp).max(1) * 128, false),
-            ModelPreset::Llama3_70b => (80, (8 / tp).max(1) * 128, false),
-            ModelPreset::DeepseekV3 => (61, 576, true),
-            ModelPreset::Tiny => (2, 64, false),
+        let (layers, elems_per_token, mla, heads) = match self {
+            ModelPreset::Llama3_8b => (32, (8 / tp).max(1) * 128, false, 8),
+            ModelPreset::Llama3_70b => (80, (8 / tp).max(1) * 128, false, 8),
+            ModelPreset::DeepseekV3 => (61, 576, true, 1),
+            ModelPreset::Tiny => (2, 64, false, 1),
         };
         let num_buffers = if mla { layers } else { 2 * layers };
         KvLayout {
@@ -63,6 +66,7 @@ impl ModelPreset {
             aux_item_len: 64,
             aux_rows: 1024,
             mla,
+            total_kv_heads: heads,
         }
     }
 }
@@ -73,9 +77,19 @@ impl KvLayout {
         self.num_buffers as u64 * self.pool_pages * self.item_len
     }
 
-    /// Bytes of the aux pool.
+    /// Bytes of the aux pool (data rows, then room rows).
     pub fn aux_bytes(&self) -> u64 {
-        self.aux_rows * self.aux_item_len
+        self.aux_rows * (self.aux_item_len + AUX_ROOM_LEN)
+    }
+
+    /// Aux buffer addresses given the aux pool base: data rows, then room rows.
+    pub fn aux_ptrs(&self, base: u64) -> Vec<u64> {
+        vec![base, base + self.aux_rows * self.aux_item_len]
+    }
+
+    /// Row length per aux buffer.
+    pub fn aux_item_lens(&self) -> Vec<u64> {
+        vec![self.aux_item_len, AUX_ROOM_LEN]
     }
 
     /// Bytes one page carries across all buffers.
@@ -100,6 +114,11 @@ impl KvLayout {
             .collect()
     }
 }
+
+/// Row length of the aux room buffer (index [`AUX_ROOM_INDEX`]).
+pub const AUX_ROOM_LEN: u64 = 8;
+/// Index of the aux buffer whose rows carry the room (sglang's `bootstrap_room`).
+pub const AUX_ROOM_INDEX: usize = 1;
 
 /// splitmix64: a cheap, well-mixed 64-bit hash.
 fn mix(mut z: u64) -> u64 {
@@ -146,17 +165,14 @@ pub fn check_page(src: &[u8], room: u64, buffer: u32, page_in_room: u32) -> bool
     bad == 0 && rest == &last[..rest.len()]
 }
 
-/// Fills an aux row: the room as u64 LE, then pattern words.
+/// Fills an aux data row with the room's pattern.
 pub fn fill_aux(dst: &mut [u8], room: u64) {
-    let n = dst.len().min(8);
-    dst[..n].copy_from_slice(&room.to_le_bytes()[..n]);
-    fill_page(&mut dst[n..], room, u32::MAX, 0);
+    fill_page(dst, room, u32::MAX, 0);
 }
 
-/// True when an aux row holds the room and its pattern.
+/// True when an aux data row holds the room's pattern.
 pub fn check_aux(src: &[u8], room: u64) -> bool {
-    let n = src.len().min(8);
-    src[..n] == room.to_le_bytes()[..n] && check_page(&src[n..], room, u32::MAX, 0)
+    check_page(src, room, u32::MAX, 0)
 }
 
 #[cfg(test)]

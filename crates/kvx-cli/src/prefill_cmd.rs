@@ -28,14 +28,14 @@ pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
     let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
     let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
     let kv_ptrs = layout.kv_ptrs(kv.base());
-    let aux_ptrs = vec![aux.base()];
+    let aux_ptrs = layout.aux_ptrs(aux.base());
     PrefillMemory::new(
         kv,
         kv_ptrs,
         layout.item_len,
         aux,
         aux_ptrs,
-        vec![layout.aux_item_len],
+        layout.aux_item_lens(),
     )
     .mla(layout.mla)
 }
@@ -77,8 +77,10 @@ pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<
         max_batch_bytes: args.max_batch_mib.max(1) << 20,
         bootstrap_timeout: Duration::from_secs_f64(args.bootstrap_timeout.max(0.0)),
         restart_workers: args.restart_workers,
-        unique_rank: m.tp_rank,
-        auto_clear: true,
+        tp_rank: m.tp_rank,
+        tp_size: m.tp_size.max(1),
+        total_kv_heads: layout.total_kv_heads,
+        auto_open: true,
         events: true,
         connect_timeout: Duration::from_secs(5),
         connections: args.connections.max(1),

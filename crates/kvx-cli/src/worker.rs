@@ -1,13 +1,13 @@
-//! Transfer workers: one thread per queue shard, each moving chunks in order, and the supervisor
-//! that catches a dead worker.
+//! Transfer workers: one thread per queue shard, each posting the room manager's batches in
+//! order, and the supervisor that catches a dead worker.
 //!
-//! A worker pops a chunk, asks the room table what to do, plans the writes, posts them in bounded
-//! batches over its own data connections and reports the outcome back to the table. A per-room
-//! error (bad indices, a failed write, an unknown session) is returned as `Ok(Err(reason))` and
-//! only fails that room. A fatal fault — a panic, an injected fault — ends the worker; the
-//! supervisor turns it into [`TransferThreadFailed`], fails every open room (its shard's, when
-//! restarting), tells their decodes, counts the failure by cause, and restarts the worker or
-//! hands the error to the process.
+//! A worker pops a batch the `kvx-core` prefill manager planned, posts it on its cached
+//! `kvx-rdma` session to the decode and feeds the completion back (`BatchDone`). A per-room error
+//! (a failed or rejected write, a lost peer) comes back as `Ok(Err(reason))` and only fails that
+//! room. A fatal fault — a panic, an injected fault — ends the worker; the supervisor turns it
+//! into [`TransferThreadFailed`], counts it by cause, fails every open room through the manager's
+//! `Fatal` event (every decode gets status 0), and restarts the worker or hands the error to the
+//! process.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -16,21 +16,24 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvx_core::planner::{BatchLimits, Plan, PlanPart, plan_kv_equal};
-use kvx_core::{Chunk, Room, SessionId, TransferOp};
+use kvx_core::prefill::{BatchId, PrefillEvent};
+use kvx_core::{KVPoll, Room, SessionId, TransferOp};
 use kvx_rdma::{Session, TransportError};
 
 use crate::engine::Shared;
 use crate::fault::{TransferThreadFailed, WorkerFault};
-use crate::rooms::{ChunkWork, Target};
 
-/// One queued chunk.
+/// One planned batch of writes to one decode session.
 #[derive(Debug)]
 pub struct Job {
     /// The room.
     pub room: Room,
-    /// The chunk.
-    pub chunk: Chunk,
+    /// The decode session.
+    pub session: SessionId,
+    /// The manager's id for the completion.
+    pub batch_id: BatchId,
+    /// The writes.
+    pub ops: Vec<TransferOp>,
 }
 
 /// The queue end a worker (and its replacement) reads.
@@ -69,7 +72,7 @@ fn spawn_worker(
         .name(format!("kvx-transfer-{shard}"))
         .spawn(move || {
             let result =
-                std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, shard, &queue)))
+                std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, &queue)))
                     .unwrap_or_else(|p| Err(WorkerFault::from_panic(p.as_ref())));
             metrics::gauge!("kvx_live_workers").decrement(1.0);
             let _ = exit.send(Exit { shard, result });
@@ -96,22 +99,10 @@ fn supervise(
         tracing::error!(shard, cause, "{err}");
         metrics::counter!("kvx_worker_failures_total", "cause" => cause).increment(1);
         let text = err.to_string();
-        // The chunk the worker was on never finishes: count it done (failed).
-        let current = lock(&shared.current[shard]).take();
-        let mut actions = Vec::new();
-        {
-            let mut table = lock(&shared.table);
-            if let Some((room, last)) = current {
-                actions.extend(table.done(room, last, Err(text.clone())));
-            }
-            let scope = if shared.cfg.restart_workers {
-                Some(shard)
-            } else {
-                None
-            };
-            actions.extend(table.fail_all(scope, &text));
-        }
-        shared.apply(actions);
+        // Every open room fails and its decodes are told (status 0); the manager forgets the
+        // outstanding batches, the one the worker died on included. The decode sessions stay
+        // usable: the fault was ours, not theirs.
+        let _ = shared.handle(PrefillEvent::Fatal { reason: text });
         if shared.cfg.restart_workers && !shared.stop.load(Ordering::Relaxed) {
             metrics::counter!("kvx_worker_restarts_total").increment(1);
             if let Err(e) = spawn_worker(
@@ -129,12 +120,8 @@ fn supervise(
     }
 }
 
-fn worker_loop(
-    shared: &Shared,
-    shard: usize,
-    queue: &Mutex<Receiver<Job>>,
-) -> Result<(), WorkerFault> {
-    let mut conns: HashMap<SessionId, Arc<dyn Session>> = HashMap::new();
+fn worker_loop(shared: &Shared, queue: &Mutex<Receiver<Job>>) -> Result<(), WorkerFault> {
+    let mut sessions: HashMap<SessionId, Arc<dyn Session>> = HashMap::new();
     loop {
         if shared.stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -144,157 +131,66 @@ fn worker_loop(
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         };
-        *lock(&shared.current[shard]) = Some((job.room, job.chunk.is_last));
-        let work = lock(&shared.table).begin(job.room);
-        let result = match work {
-            None => Ok(()),
-            Some(work) => transfer(shared, &mut conns, &job, &work)?,
-        };
-        let actions = lock(&shared.table).done(job.room, job.chunk.is_last, result);
-        *lock(&shared.current[shard]) = None;
-        shared.apply(actions);
+        let result = execute(shared, &mut sessions, job.room, &job.session, job.ops)?;
+        let _ = shared.handle(PrefillEvent::BatchDone {
+            batch_id: job.batch_id,
+            result,
+        });
     }
 }
 
-/// Moves one chunk to every decode of its room. Outer error: fatal; inner: fails the room.
-fn transfer(
+/// Posts one batch. Outer error: fatal for the worker; inner: fails the room (a peer failure
+/// also drops the cached session so the next batch reconnects).
+fn execute(
     shared: &Shared,
-    conns: &mut HashMap<SessionId, Arc<dyn Session>>,
-    job: &Job,
-    work: &ChunkWork,
+    sessions: &mut HashMap<SessionId, Arc<dyn Session>>,
+    room: Room,
+    session: &SessionId,
+    ops: Vec<TransferOp>,
 ) -> Result<Result<(), String>, WorkerFault> {
+    fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
+        WorkerFault::Injected {
+            point: "kvx::transfer_worker::batch",
+            detail: arg.unwrap_or_default(),
+        }
+    ));
     fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(Err(format!(
         "injected per-room fault: {}",
         arg.unwrap_or_default()
     ))));
-    for t in &work.targets {
-        if let Err(reason) = transfer_one(shared, conns, job, work, t)? {
-            return Ok(Err(reason));
-        }
+    if lock(&shared.table).poll(room) != Some(KVPoll::WaitingForInput) {
+        return Ok(Err(format!("room {room} is no longer transferring")));
     }
-    Ok(Ok(()))
-}
-
-fn transfer_one(
-    shared: &Shared,
-    conns: &mut HashMap<SessionId, Arc<dyn Session>>,
-    job: &Job,
-    work: &ChunkWork,
-    t: &Target,
-) -> Result<Result<(), String>, WorkerFault> {
-    let room = job.room;
-    let Some(dst) = &t.request.dst else {
-        return Ok(Ok(())); // dummy destination: nothing to write
-    };
-    if t.blacklisted {
-        return Ok(Err(format!(
-            "Decode instance could be dead, remote session {} is not alive",
-            t.session
-        )));
-    }
-    let Some(reg) = &t.registration else {
-        return Ok(Err(format!(
-            "metadata for room {room} from unregistered session {}",
-            t.session
-        )));
-    };
-    let mem = &shared.mem;
-    let slice = job.chunk.slice;
-    let Some(dst_pages) = dst.kv_pages.get(slice.start..slice.end) else {
-        return Ok(Err(format!(
-            "Chunk slice {}..{} of {room} exceeds the {} destination pages of {}",
-            slice.start,
-            slice.end,
-            dst.kv_pages.len(),
-            t.session
-        )));
-    };
-    let src_layout = mem.kv_layout(shared.cfg.page_size);
-    let dst_layout =
-        kvx_core::KvLayout::from_registration(reg, src_layout.kind, None, shared.cfg.page_size);
-    let mut plan = Plan::new();
-    if !dst_pages.is_empty() {
-        match plan_kv_equal(&src_layout, &dst_layout, &job.chunk.src_pages, dst_pages) {
-            Ok(p) => plan.push(PlanPart::Paged(p)),
-            Err(e) => return Ok(Err(format!("Failed to plan kv chunk of {room}: {e}"))),
-        }
-    }
-    let mut ops = Vec::new();
-    if job.chunk.is_last
-        && let Some(src_row) = work.src_aux_index
-    {
-        if reg.aux_ptrs.len() != mem.aux_ptrs.len() {
-            return Ok(Err(format!(
-                "aux layout mismatch: decode has {} aux buffers, prefill {}",
-                reg.aux_ptrs.len(),
-                mem.aux_ptrs.len()
-            )));
-        }
-        for ((&sp, &dp), &len) in mem
-            .aux_ptrs
-            .iter()
-            .zip(&reg.aux_ptrs)
-            .zip(&mem.aux_item_lens)
-        {
-            let (Ok(s), Ok(d)) = (u64::try_from(src_row), u64::try_from(dst.aux_index)) else {
-                return Ok(Err(format!("negative aux row {src_row}/{}", dst.aux_index)));
-            };
-            ops.push(TransferOp::new(
-                sp.wrapping_add(s.wrapping_mul(len)),
-                dp.wrapping_add(d.wrapping_mul(len)),
-                len,
-            ));
-        }
-    }
-    plan.push(PlanPart::Ops(ops));
-    if plan.is_empty() {
-        return Ok(Ok(()));
-    }
-    let limits = match BatchLimits::new(shared.cfg.max_batch_ops, shared.cfg.max_batch_bytes) {
-        Ok(l) => l,
-        Err(e) => return Ok(Err(e.to_string())),
-    };
-    let session = match conns.get(&t.session) {
+    let s = match sessions.get(session) {
         Some(s) if s.is_alive() => s.clone(),
-        _ => {
-            let transport = shared.plane.transport();
-            match shared.rt.block_on(transport.connect(t.session.as_str())) {
-                Ok(s) => {
-                    conns.insert(t.session.clone(), s.clone());
-                    s
-                }
-                Err(e) => return Ok(Err(session_failed(shared, &t.session, &e))),
+        _ => match shared
+            .rt
+            .block_on(shared.plane.transport().connect(session.as_str()))
+        {
+            Ok(s) => {
+                sessions.insert(session.clone(), s.clone());
+                s
             }
-        }
+            Err(e) => return Ok(Err(peer_failed(session, &e))),
+        },
     };
-    for batch in plan.batches(limits) {
-        fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
-            WorkerFault::Injected {
-                point: "kvx::transfer_worker::batch",
-                detail: arg.unwrap_or_default(),
-            }
-        ));
-        let t0 = Instant::now();
-        match shared.rt.block_on(session.write_batch(batch)) {
-            Ok(report) => {
-                metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
-                metrics::counter!("kvx_transfer_batches_total").increment(1);
-                metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
-            }
-            Err(e) if e.is_peer_failure() => {
-                conns.remove(&t.session);
-                return Ok(Err(session_failed(shared, &t.session, &e)));
-            }
-            Err(e) => return Ok(Err(format!("Failed to send kv chunk of {room}: {e}"))),
+    let t0 = Instant::now();
+    match shared.rt.block_on(s.write_batch(ops)) {
+        Ok(report) => {
+            metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
+            metrics::counter!("kvx_transfer_batches_total").increment(1);
+            metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
+            Ok(Ok(()))
         }
+        Err(e) if e.is_peer_failure() => {
+            sessions.remove(session);
+            Ok(Err(peer_failed(session, &e)))
+        }
+        Err(e) => Ok(Err(e.to_string())),
     }
-    Ok(Ok(()))
 }
 
-/// Blacklists a session after a transport failure and fails its other rooms.
-fn session_failed(shared: &Shared, session: &SessionId, e: &TransportError) -> String {
+fn peer_failed(session: &SessionId, e: &TransportError) -> String {
     metrics::counter!("kvx_session_failures_total").increment(1);
-    let actions = lock(&shared.table).fail_session(session, &e.to_string());
-    shared.apply(actions);
-    format!("Failed to send kv chunk to {session}: {e}")
+    format!("decode session {session} failed: {e}")
 }
