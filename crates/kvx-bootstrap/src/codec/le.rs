@@ -27,6 +27,10 @@ pub trait LeInt: Copy + fmt::Debug + PartialEq + sealed::Sealed + 'static {
     fn read_le(chunk: &[u8]) -> Self;
     /// Appends the little-endian bytes of `self`.
     fn write_le(self, out: &mut Vec<u8>);
+    /// Decodes every whole element of `bytes` into `out` (a bulk form of [`LeInt::read_le`]).
+    fn extend_from_le(bytes: &[u8], out: &mut Vec<Self>);
+    /// Appends the little-endian bytes of every value (a bulk form of [`LeInt::write_le`]).
+    fn extend_le(values: &[Self], out: &mut Vec<u8>);
 }
 
 macro_rules! le_int {
@@ -42,6 +46,18 @@ macro_rules! le_int {
             #[inline]
             fn write_le(self, out: &mut Vec<u8>) {
                 out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn extend_from_le(bytes: &[u8], out: &mut Vec<Self>) {
+                let (whole, _) = bytes.as_chunks::<$w>();
+                out.extend(whole.iter().map(|a| <$t>::from_le_bytes(*a)));
+            }
+            fn extend_le(values: &[Self], out: &mut Vec<u8>) {
+                let start = out.len();
+                out.resize(start + values.len() * $w, 0);
+                let (dst, _) = out[start..].as_chunks_mut::<$w>();
+                for (d, v) in dst.iter_mut().zip(values) {
+                    *d = v.to_le_bytes();
+                }
             }
         }
     };
@@ -114,7 +130,9 @@ impl<'a, T: LeInt> LeSlice<'a, T> {
 
     /// Copies the elements into a vector.
     pub fn to_vec(&self) -> Vec<T> {
-        self.iter().collect()
+        let mut out = Vec::with_capacity(self.len());
+        T::extend_from_le(self.bytes, &mut out);
+        out
     }
 }
 
@@ -170,9 +188,7 @@ impl<T: LeInt> FusedIterator for LeIter<'_, T> {}
 /// Encodes integers as a headerless little-endian array.
 pub fn encode_le<T: LeInt>(values: &[T]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * T::WIDTH);
-    for &v in values {
-        v.write_le(&mut out);
-    }
+    T::extend_le(values, &mut out);
     out
 }
 

@@ -157,9 +157,7 @@ pub fn encode_packed<T: LeInt, L: AsRef<[T]>>(
         out.extend_from_slice(&len.to_le_bytes());
     }
     for l in lists {
-        for &v in l.as_ref() {
-            v.write_le(&mut out);
-        }
+        T::extend_le(l.as_ref(), &mut out);
     }
     Ok(out)
 }
