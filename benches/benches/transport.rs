@@ -10,8 +10,11 @@
 //!   2 KiB per token per buffer), 4096 tokens, page size 1 or 16, destination pages fragmented
 //!   (pairs of pages shuffled), planned into merged ops, one batch per room.
 //!
-//! Each case runs `KVX_BENCH_REPS` times (default 3), interleaved, and keeps its best run. The
-//! last line is `tcp/socket-loop ratio: X.XX` (bulk, same connection count, same bytes).
+//! Each case runs `KVX_BENCH_REPS` times (default 5), interleaved. The table shows the best and
+//! median throughput and, per case, the median over repetitions of its throughput divided by the
+//! socket loop's in the same repetition (robust to a noisy, shared machine). The last line is
+//! that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection count,
+//! same bytes).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
 //! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`.
@@ -122,12 +125,37 @@ struct Row {
     name: String,
     bytes: u64,
     ops: usize,
-    best: Duration,
+    runs: Vec<Duration>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 impl Row {
-    fn gbps(&self) -> f64 {
-        self.bytes as f64 / self.best.as_secs_f64() / 1e9
+    fn gbps(&self, t: Duration) -> f64 {
+        self.bytes as f64 / t.as_secs_f64() / 1e9
+    }
+
+    fn best(&self) -> Duration {
+        self.runs.iter().copied().min().unwrap_or(Duration::MAX)
+    }
+
+    /// Median over repetitions of this row's throughput divided by `base`'s in the same
+    /// repetition (the two were measured back to back).
+    fn paired_ratio(&self, base: &Row) -> f64 {
+        median(
+            self.runs
+                .iter()
+                .zip(&base.runs)
+                .map(|(&t, &b)| self.gbps(t) / base.gbps(b))
+                .collect(),
+        )
     }
 }
 
@@ -136,7 +164,7 @@ fn main() {
         return;
     }
     let bulk = env_usize("KVX_BENCH_MIB", 512) << 20;
-    let reps = env_usize("KVX_BENCH_REPS", 3).max(1);
+    let reps = env_usize("KVX_BENCH_REPS", 5).max(1);
     let tokens = env_usize("KVX_BENCH_TOKENS", 4096);
     let cfg = TcpConfig {
         connections: env_usize("KVX_BENCH_CONNS", TcpConfig::default().connections),
@@ -159,7 +187,7 @@ fn main() {
     let kv_bytes = 2 * LAYERS * tokens * TOKEN_BYTES;
     let size = bulk.max(kv_bytes);
     println!(
-        "transport bench: bulk {} MiB, KV {} tokens ({} MiB), best of {}; {:?}",
+        "transport bench: bulk {} MiB, KV {} tokens ({} MiB), {} repetitions; {:?}",
         bulk >> 20,
         tokens,
         kv_bytes >> 20,
@@ -208,13 +236,13 @@ fn main() {
             name: "memcpy".into(),
             bytes: bulk as u64,
             ops: 1,
-            best: Duration::MAX,
+            runs: Vec::new(),
         },
         Row {
             name: format!("socket-loop x{conns}"),
             bytes: bulk as u64,
             ops: 1,
-            best: Duration::MAX,
+            runs: Vec::new(),
         },
     ];
     for (name, ops) in &cases {
@@ -222,7 +250,7 @@ fn main() {
             name: format!("{name} x{conns}"),
             bytes: TransferOp::total_bytes(ops),
             ops: ops.len(),
-            best: Duration::MAX,
+            runs: Vec::new(),
         });
     }
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
@@ -232,14 +260,14 @@ fn main() {
     for _ in 0..reps {
         let t = Instant::now();
         dst[..bulk].copy_from_slice(&src[..bulk]);
-        rows[0].best = rows[0].best.min(t.elapsed());
+        rows[0].runs.push(t.elapsed());
         let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
-        rows[1].best = rows[1].best.min(t);
+        rows[1].runs.push(t);
         for (i, (_, ops)) in cases.iter().enumerate() {
             let ops = ops.clone();
             let t = Instant::now();
             rt.block_on(session.write_batch(ops)).unwrap();
-            rows[2 + i].best = rows[2 + i].best.min(t.elapsed());
+            rows[2 + i].runs.push(t.elapsed());
         }
     }
     // Bytes check on the last KV case: the planned destination must equal the source.
@@ -254,21 +282,26 @@ fn main() {
     drop(rt);
     drop(rt_recv);
 
-    let base = rows[1].gbps();
     println!();
-    println!("| case | bytes | ops | best ms | GB/s | vs socket loop |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} |",
+            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} |",
             r.name,
             r.bytes >> 20,
             r.ops,
-            r.best.as_secs_f64() * 1e3,
-            r.gbps(),
-            r.gbps() / base
+            r.best().as_secs_f64() * 1e3,
+            r.gbps(r.best()),
+            median(r.runs.iter().map(|&t| r.gbps(t)).collect()),
+            r.paired_ratio(&rows[1])
         );
     }
     println!();
-    println!("tcp/socket-loop ratio: {:.2}", rows[2].gbps() / base);
+    println!(
+        "tcp/socket-loop ratio: {:.2}",
+        rows[2].paired_ratio(&rows[1])
+    );
 }
