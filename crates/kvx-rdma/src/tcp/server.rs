@@ -200,12 +200,26 @@ async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
         lock(&ctx.live).remove(&id);
         return Ok(());
     }
+    // A plain thread, not the runtime's blocking pool: a runtime being dropped must not wait
+    // for connections; the transport's shutdown and drop end them by closing their sockets.
     let ctx2 = ctx.clone();
-    let r = tokio::task::spawn_blocking(move || receive(&stream, &ctx2))
-        .await
-        .unwrap_or_else(|e| Err(io::Error::other(e)));
-    lock(&ctx.live).remove(&id);
-    r
+    let peer = stream.peer_addr().ok();
+    std::thread::Builder::new()
+        .name("kvx-tcp-rx".into())
+        .spawn(move || {
+            match receive(&stream, &ctx2) {
+                Ok(()) => tracing::debug!(?peer, "tcp transport connection closed"),
+                Err(e) => {
+                    metrics::counter!("kvx_tcp_server_conn_errors_total").increment(1);
+                    tracing::warn!(?peer, error = %e, "tcp transport connection failed");
+                }
+            }
+            lock(&ctx2.live).remove(&id);
+        })
+        .map(|_| ())
+        .inspect_err(|_| {
+            lock(&ctx.live).remove(&id);
+        })
 }
 
 /// The receive loop of one connection (blocking).
