@@ -28,6 +28,9 @@ use crate::tcp::wire::{
     VERSION,
 };
 
+/// How long writing one acknowledgement may block before the connection is dropped.
+const ACK_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// What the accept loop needs.
 pub(crate) struct ServerCtx {
     pub table: Arc<RegionTable>,
@@ -194,6 +197,8 @@ async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
     // wakes the thread directly (no readiness round trips), as a plain socket loop does.
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
+    // A sender that stops reading its acknowledgements cannot pin this thread forever.
+    stream.set_write_timeout(Some(ACK_WRITE_TIMEOUT))?;
     let id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
     lock(&ctx.live).insert(id, stream.try_clone()?);
     if ctx.closed.load(Ordering::SeqCst) {
