@@ -112,6 +112,32 @@ async fn bytes_arrive_exactly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_batches_of_small_scattered_ops() {
+    // Far more entries than one vectored frame or one window holds (sglang submits every
+    // triple of a chunk in one batch).
+    const N: u64 = 20_000;
+    let mut dst = Buf::zeroed((2 * N * 64) as usize);
+    let mut src = Buf::pattern((N * 64) as usize, 0x33);
+    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
+        .await
+        .unwrap();
+    dst.register(&*server);
+    let client = TcpTransport::client(small_cfg());
+    src.register(&*client);
+    // Op i copies src[64i..64i+40] to the reversed slot dst[128(N-1-i)..+40].
+    let ops: Vec<_> = (0..N)
+        .map(|i| TransferOp::new(src.addr() + 64 * i, dst.addr() + 128 * (N - 1 - i), 40))
+        .collect();
+    let session = client.connect(&server.endpoint()).await.unwrap();
+    assert_eq!(session.write_batch(ops).await.unwrap().ops, N);
+    for i in 0..N as usize {
+        let at = 128 * (N as usize - 1 - i);
+        assert_eq!(&dst.0[at..at + 40], &src.0[64 * i..64 * i + 40], "op {i}");
+        assert!(dst.0[at + 40..at + 128].iter().all(|&b| b == 0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregistered_ranges_fail_before_sending() {
     let mut dst = Buf::zeroed(1 << 16);
     let mut src = Buf::pattern(1 << 16, 1);
