@@ -301,15 +301,22 @@ impl AuxLayout {
                 rows: row_lens.len(),
             });
         }
-        let buffers: Vec<Buffer> = ptrs
+        let buffers = ptrs
             .iter()
             .zip(row_lens)
-            .map(|(&addr, &item_len)| Buffer {
-                addr,
-                item_len,
-                len: rows.map(|r| r * item_len),
+            .enumerate()
+            .map(|(i, (&addr, &item_len))| {
+                let len = match rows {
+                    Some(r) => Some(r.checked_mul(item_len).ok_or(LayoutError::Wraps(i))?),
+                    None => None,
+                };
+                Ok(Buffer {
+                    addr,
+                    item_len,
+                    len,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<Buffer>, LayoutError>>()?;
         match buffers.get(room_index) {
             Some(b) if b.item_len >= 8 => {}
             _ => return Err(LayoutError::AuxRoomBuffer(room_index)),
@@ -460,6 +467,11 @@ mod tests {
         assert_eq!(aux.room_row(3), Some((0xa0_0000 + 3 * 64, 64)));
         assert_eq!(aux.room_row(4), None);
         assert!(AuxLayout::sglang_default(&ptrs[..9], None).is_err());
+        // rows × row length beyond u64 is an error, not an overflow
+        assert_eq!(
+            AuxLayout::sglang_default(&ptrs, Some(u64::MAX / 64 + 1)),
+            Err(LayoutError::Wraps(0))
+        );
         let mut row = [0xffu8; 64];
         assert!(fill_room_row(
             &mut row,

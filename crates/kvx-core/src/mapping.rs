@@ -59,6 +59,10 @@ pub struct Mapping {
     pub required_prefill_response_num: u32,
 }
 
+/// Most prefill ranks one decode rank may be mapped to. The sizes come from the prefill's
+/// bootstrap answer; a layout beyond this is refused before anything is allocated.
+pub const MAX_TARGETS: u64 = 1 << 16;
+
 /// Why two parallel layouts cannot be mapped.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum MappingError {
@@ -72,6 +76,12 @@ pub enum MappingError {
         prefill: u32,
         /// Decode TP size.
         decode: u32,
+    },
+    /// The layout would map one decode rank to more than [`MAX_TARGETS`] prefill ranks.
+    #[error("{targets} prefill targets for one decode rank (at most {MAX_TARGETS})")]
+    TooManyTargets {
+        /// Targets the layout implies (saturated at u64::MAX).
+        targets: u64,
     },
     /// Decode CP must be 1.
     #[error("decode CP size must be 1, got {0}")]
@@ -107,6 +117,19 @@ pub fn map_ranks(m: &MappingInput) -> Result<Mapping, MappingError> {
             decode: dt,
         });
     }
+    // Count the targets before building them: TP fan-out × CP ranks × PP stages.
+    let tp_n = u64::from(if pt > dt { pt / dt } else { 1 });
+    let cp_n = u64::from(if m.prefill_cp > 1 && m.all_cp_ranks {
+        m.prefill_cp
+    } else {
+        1
+    });
+    let pp_n = u64::from(if m.decode_pp == 1 { m.prefill_pp } else { 1 });
+    let targets = tp_n.saturating_mul(cp_n).saturating_mul(pp_n);
+    if targets > MAX_TARGETS {
+        return Err(MappingError::TooManyTargets { targets });
+    }
+    // From here every count and product is at most MAX_TARGETS.
     let r = m.decode_rank % dt;
     // (tp_rank, dummy) per TP target, and the TP part of the counts.
     let (tp_targets, dst_info, mut responses): (Vec<(u32, bool)>, u32, u32) = if pt == dt {
@@ -243,5 +266,28 @@ mod tests {
         let mut i = input(1, 1, 0, false);
         i.decode_cp = 2;
         assert_eq!(map_ranks(&i), Err(MappingError::DecodeCp(2)));
+    }
+
+    #[test]
+    fn sizes_from_a_peer_cannot_overflow_or_exhaust_memory() {
+        // Prefill sizes as a bootstrap answer could carry them: the response count used to
+        // overflow u32 and the target list would not fit in memory.
+        let mut i = input(u32::MAX, 1, 0, false);
+        (i.prefill_cp, i.prefill_pp, i.all_cp_ranks) = (u32::MAX, u32::MAX, true);
+        assert_eq!(
+            map_ranks(&i),
+            Err(MappingError::TooManyTargets { targets: u64::MAX })
+        );
+        let mut i = input(1, 1, 0, false);
+        (i.prefill_cp, i.prefill_pp, i.all_cp_ranks) = (1 << 9, 1 << 8, true);
+        assert_eq!(
+            map_ranks(&i),
+            Err(MappingError::TooManyTargets { targets: 1 << 17 })
+        );
+        // The limit itself still maps.
+        i.prefill_pp = 1 << 7;
+        let m = map_ranks(&i).unwrap();
+        assert_eq!(m.targets.len() as u64, MAX_TARGETS);
+        assert_eq!(u64::from(m.required_prefill_response_num), MAX_TARGETS);
     }
 }

@@ -74,25 +74,25 @@ impl HeadSliceParams {
         } else {
             (hd, ((dr / (dt / t).max(1)) * hd) % hs, 0)
         };
-        let len = n_heads * bph;
+        // TP sizes, ranks and the decode item length come from a peer's registration: a wrapped
+        // product counts as "does not fit" (need = u64::MAX), never as an overflow.
+        let len = n_heads.checked_mul(bph);
+        let dst_offset = dst_head.checked_mul(bph);
+        let src_offset = src_head.checked_mul(bph);
+        let need = |offset: Option<u64>| offset.zip(len).and_then(|(o, l)| o.checked_add(l));
         let dst_token = dst_item_len / ps;
         let src_token = src_item_len / ps;
-        if dst_head * bph + len > dst_token {
-            return Err(PlanError::HeadSliceGuard {
-                need: dst_head * bph + len,
-                have: dst_token,
-            });
+        for (need, have) in [(need(dst_offset), dst_token), (need(src_offset), src_token)] {
+            let need = need.unwrap_or(u64::MAX);
+            if need > have {
+                return Err(PlanError::HeadSliceGuard { need, have });
+            }
         }
-        if src_head * bph + len > src_token {
-            return Err(PlanError::HeadSliceGuard {
-                need: src_head * bph + len,
-                have: src_token,
-            });
-        }
+        // Both sums fit, so every product fits.
         Ok(HeadSlice {
-            src_offset: src_head * bph,
-            dst_offset: dst_head * bph,
-            len,
+            src_offset: src_offset.unwrap_or(0),
+            dst_offset: dst_offset.unwrap_or(0),
+            len: len.unwrap_or(0),
         })
     }
 }
@@ -109,14 +109,16 @@ pub struct HeadSlicePlan {
 }
 
 impl HeadSlicePlan {
-    /// Number of ops (`pairs × pages × page_size`).
+    /// Number of ops (`pairs × pages × page_size`, saturating).
     pub fn num_ops(&self) -> u64 {
-        self.pairs.len() as u64 * self.pages.len() as u64 * self.page_size
+        (self.pairs.len() as u64)
+            .saturating_mul(self.pages.len() as u64)
+            .saturating_mul(self.page_size)
     }
 
-    /// Total bytes copied.
+    /// Total bytes copied (saturating).
     pub fn total_bytes(&self) -> u64 {
-        self.num_ops() * self.slice.len
+        self.num_ops().saturating_mul(self.slice.len)
     }
 
     /// The slice geometry.
@@ -242,6 +244,36 @@ mod tests {
             )
         );
         assert_eq!(plan.total_bytes(), 4 * 1024);
+    }
+
+    #[test]
+    fn peer_geometry_that_overflows_is_a_guard_error() {
+        // A decode claiming a huge TP group, a high rank and an item length near u64::MAX:
+        // the source head offset (rank × bytes per head) does not fit in u64.
+        let params = HeadSliceParams {
+            total_kv_heads: u32::MAX,
+            src_tp_size: 1,
+            src_tp_rank: 0,
+            dst_tp_size: u32::MAX,
+            dst_tp_rank: u32::MAX - 1,
+        };
+        assert!(matches!(
+            params.slice(8 * HEAD, u64::MAX, 1),
+            Err(PlanError::HeadSliceGuard { need: u64::MAX, .. })
+        ));
+        // Prefill TP 3 to decode TP 2 with 7 heads: offset + len passes the token end, and the
+        // sum itself wraps when the decode's item length is near u64::MAX.
+        let params = HeadSliceParams {
+            total_kv_heads: 7,
+            src_tp_size: 3,
+            src_tp_rank: 1,
+            dst_tp_size: 2,
+            dst_tp_rank: 0,
+        };
+        assert!(matches!(
+            params.slice(8 * HEAD, u64::MAX, 1),
+            Err(PlanError::HeadSliceGuard { .. })
+        ));
     }
 
     #[test]

@@ -5,8 +5,8 @@ use super::types::{LocalMemory, PrefillConfig, RoomError, TransferPath};
 use crate::layout::{AttentionKind, KvLayout, StateComponent};
 use crate::peer::{DecodeRegistration, Destination, SessionId};
 use crate::planner::{
-    HeadSliceParams, Plan, PlanError, PlanPart, plan_aux, plan_kv_equal, plan_kv_head_slice,
-    plan_state,
+    HeadSliceParams, Plan, PlanError, PlanPart, Side, check_span, plan_aux, plan_kv_equal,
+    plan_kv_head_slice, plan_state,
 };
 use crate::{Chunk, Room};
 
@@ -163,22 +163,20 @@ pub(crate) fn plan_chunk(
         if cfg.aux_over_tcp {
             // Rows travel as AUX_DATA messages; the local rows must still be in bounds.
             for (index, b) in local.aux.buffers.iter().enumerate() {
-                let off = aux_row.checked_mul(b.item_len);
-                let inside = off
-                    .and_then(|o| o.checked_add(b.item_len))
-                    .is_some_and(|end| b.len.is_none_or(|len| end <= len));
-                let (Some(off), true) = (off, inside) else {
-                    return Err(err(PlanError::OutOfBounds {
-                        side: crate::planner::Side::Src,
+                let src_addr = aux_row
+                    .checked_mul(b.item_len)
+                    .ok_or(PlanError::OutOfBounds {
+                        side: Side::Src,
                         buffer: index,
                         end: u64::MAX,
                         capacity: b.len.unwrap_or(u64::MAX),
-                    }));
-                };
+                    })
+                    .and_then(|off| check_span(Side::Src, index, b.addr, b.len, off, b.item_len))
+                    .map_err(&err)?;
                 aux_rows.push(AuxRow {
                     index,
                     dst_row,
-                    src_addr: b.addr + off,
+                    src_addr,
                     len: b.item_len,
                 });
             }

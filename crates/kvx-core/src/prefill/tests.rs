@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::layout::{AuxLayout, KvLayout};
 use crate::peer::{Destination, StagingRingInfo};
-use crate::planner::BatchLimits;
+use crate::planner::{BatchLimits, PlanError};
 use crate::{Chunk, PageSlice, TransferOp};
 
 const KP: u64 = 0x7f00_0000_0000;
@@ -594,6 +594,50 @@ fn aux_rows_over_tcp() {
     assert_eq!(b[0].1.len(), 4);
     let a = h.ev(done(b[0].0));
     assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Success)]);
+}
+
+#[test]
+fn aux_rows_over_tcp_past_the_address_space_fail_the_room() {
+    let cfg = PrefillConfig {
+        aux_over_tcp: true,
+        ..PrefillConfig::default()
+    };
+    // Row count unknown and the last buffer at the top of the address space: row 3 wraps.
+    let mut aux_ptrs: Vec<u64> = (0..10).map(|i| AUX_P + (i << 20)).collect();
+    aux_ptrs[9] = u64::MAX - 100;
+    let mem = LocalMemory {
+        aux: AuxLayout::sglang_default(&aux_ptrs, None).unwrap(),
+        ..local()
+    };
+    let mut h = Harness::new(cfg);
+    h.mgr = PrefillManager::new(h.mgr.config().clone(), mem);
+    let r = room(82);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![4]).last(),
+    });
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, PrefillAction::SendAuxData { .. }))
+    );
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    assert!(
+        a.iter().any(|x| matches!(
+            x,
+            PrefillAction::Concluded {
+                status: KVPoll::Failed,
+                reason: Some(RoomError::Plan {
+                    source: PlanError::OutOfBounds { buffer: 9, .. },
+                    ..
+                }),
+                ..
+            }
+        )),
+        "{a:?}"
+    );
 }
 
 #[test]
