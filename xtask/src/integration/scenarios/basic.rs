@@ -41,7 +41,7 @@ pub fn happy_tp1(ctx: &mut Ctx) -> Result<Verdict> {
         0,
         &PrefillOpts::default(),
     )?;
-    let mut o = DecodeOpts::new(common::sized(ctx, 16, 400), 128);
+    let mut o = DecodeOpts::new(common::sized(ctx, 16, 200), 128);
     o.tokens_max = Some(384);
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
     let (code, s) = d.finish(RUN)?;

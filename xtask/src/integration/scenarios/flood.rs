@@ -167,7 +167,7 @@ pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
         ..PrefillOpts::default()
     };
     let mut p = common::prefill(ctx, "prefill", 0, boot.addr, &model, 0, &popts)?;
-    let mut o = DecodeOpts::new(common::sized(ctx, 16, 200), 256);
+    let mut o = DecodeOpts::new(common::sized(ctx, 16, 100), 256);
     o.concurrency = 4;
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
     if !p.proc.wait_for_log("decode registered", common::READY) {
@@ -256,14 +256,14 @@ pub fn abort_drain(ctx: &mut Ctx) -> Result<Verdict> {
         ..PrefillOpts::default()
     };
     let p = common::prefill(ctx, "prefill", 0, boot.addr, &model, 0, &popts)?;
-    let mut o = DecodeOpts::new(common::sized(ctx, 24, 200), 16);
+    let mut o = DecodeOpts::new(common::sized(ctx, 24, 80), 16);
     o.tokens_max = Some(480);
     o.concurrency = 3;
     o.extra = common::args(&["--waiting-timeout", "2"]);
     // The decode logs each ABORT_ACK it receives at debug level.
     o.log = Some("info,kvx_cli::decode=debug".into());
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
-    let (code, s) = d.finish(Duration::from_secs(180))?;
+    let (code, s) = d.finish(Duration::from_secs(common::sized(ctx, 170, 280) as u64))?;
     let acks = strip_ansi(&d.proc.log_text())
         .lines()
         .filter(|l| l.contains("abort acknowledged"))
