@@ -59,14 +59,17 @@ pub struct SliceSpec {
 }
 
 impl SliceSpec {
-    /// Bytes one token of the slice occupies in the block.
+    /// Bytes one token of the slice occupies in the block (saturating).
     pub fn token_bytes(&self) -> usize {
-        self.n_heads * self.bytes_per_head_token
+        self.n_heads.saturating_mul(self.bytes_per_head_token)
     }
 
-    /// Block size for `buffers` buffers (2 × layers) and `pages` pages.
+    /// Block size for `buffers` buffers (2 × layers) and `pages` pages (saturating).
     pub fn block_len(&self, buffers: usize, pages: usize) -> usize {
-        buffers * pages * self.page_size * self.token_bytes()
+        buffers
+            .saturating_mul(pages)
+            .saturating_mul(self.page_size)
+            .saturating_mul(self.token_bytes())
     }
 
     fn slot(&self) -> Result<usize, CopyError> {
@@ -76,15 +79,44 @@ impl SliceSpec {
             ));
         }
         let slot = self.item_len / self.page_size;
-        let end = self.head + self.n_heads;
-        if end * self.bytes_per_head_token > slot {
+        // A head range past usize counts as not fitting: no product below can wrap after this.
+        let end = self.head.checked_add(self.n_heads);
+        let bytes = end.and_then(|e| e.checked_mul(self.bytes_per_head_token));
+        if bytes.is_none_or(|b| b > slot) {
             return Err(CopyError::Heads {
                 head: self.head,
-                end,
+                end: end.unwrap_or(usize::MAX),
                 slot_heads: slot / self.bytes_per_head_token.max(1),
             });
         }
         Ok(slot)
+    }
+
+    /// Checks everything a gather or scatter needs before a byte moves: the spec, the block
+    /// size (`have` bytes) and every page of every buffer (`buf_lens`).
+    fn cut(
+        &self,
+        buf_lens: impl ExactSizeIterator<Item = usize>,
+        pages: &[i32],
+        have: usize,
+    ) -> Result<Cut, CopyError> {
+        let slot = self.slot()?;
+        let need = self.block_len(buf_lens.len(), pages.len());
+        if have < need {
+            return Err(CopyError::Block { have, need });
+        }
+        for (b, len) in buf_lens.enumerate() {
+            for &page in pages {
+                self.page_range(b, len, page)?;
+            }
+        }
+        let tb = self.token_bytes();
+        Ok(Cut {
+            slot,
+            tb,
+            head_off: self.head * self.bytes_per_head_token,
+            page_bytes: self.page_size * tb,
+        })
     }
 
     fn page_range(&self, buffer: usize, len: usize, page: i32) -> Result<usize, CopyError> {
@@ -102,6 +134,18 @@ impl SliceSpec {
     }
 }
 
+/// The checked geometry of one gather or scatter (every product fits: see [`SliceSpec::cut`]).
+struct Cut {
+    /// Bytes per token slot of a page.
+    slot: usize,
+    /// Bytes of the slice per token.
+    tb: usize,
+    /// Byte offset of the first head inside a token slot.
+    head_off: usize,
+    /// Bytes of the slice per page.
+    page_bytes: usize,
+}
+
 /// Gathers the slice of `pages` from every buffer in `bufs` (`[K…, V…]`) into `out`; returns
 /// the bytes written (`spec.block_len(bufs.len(), pages.len())`).
 pub fn gather<B: AsRef<[u8]>>(
@@ -110,23 +154,13 @@ pub fn gather<B: AsRef<[u8]>>(
     pages: &[i32],
     out: &mut [u8],
 ) -> Result<usize, CopyError> {
-    let slot = spec.slot()?;
-    let need = spec.block_len(bufs.len(), pages.len());
-    if out.len() < need {
-        return Err(CopyError::Block {
-            have: out.len(),
-            need,
-        });
-    }
-    let tb = spec.token_bytes();
-    let head_off = spec.head * spec.bytes_per_head_token;
+    let Cut {
+        slot,
+        tb,
+        head_off,
+        page_bytes,
+    } = spec.cut(bufs.iter().map(|b| b.as_ref().len()), pages, out.len())?;
     let whole_slot = tb == slot;
-    let page_bytes = spec.page_size * tb;
-    for (b, buf) in bufs.iter().enumerate() {
-        for &page in pages {
-            spec.page_range(b, buf.as_ref().len(), page)?;
-        }
-    }
     let mut at = 0;
     for (b, buf) in bufs.iter().enumerate() {
         let buf = buf.as_ref();
@@ -155,23 +189,17 @@ pub fn scatter<B: AsMut<[u8]>>(
     bufs: &mut [B],
     pages: &[i32],
 ) -> Result<usize, CopyError> {
-    let slot = spec.slot()?;
-    let need = spec.block_len(bufs.len(), pages.len());
-    if block.len() < need {
-        return Err(CopyError::Block {
-            have: block.len(),
-            need,
-        });
-    }
-    let tb = spec.token_bytes();
-    let head_off = spec.head * spec.bytes_per_head_token;
+    let Cut {
+        slot,
+        tb,
+        head_off,
+        page_bytes,
+    } = spec.cut(
+        bufs.iter_mut().map(|b| b.as_mut().len()),
+        pages,
+        block.len(),
+    )?;
     let whole_slot = tb == slot;
-    let page_bytes = spec.page_size * tb;
-    for (b, buf) in bufs.iter_mut().enumerate() {
-        for &page in pages {
-            spec.page_range(b, buf.as_mut().len(), page)?;
-        }
-    }
     let mut at = 0;
     for (b, buf) in bufs.iter_mut().enumerate() {
         let buf = buf.as_mut();
@@ -230,5 +258,27 @@ mod tests {
             gather(&wide, &bufs, &[0], &mut block),
             Err(CopyError::Heads { .. })
         ));
+        // Head ranges whose end or byte offset leaves usize are refused, not wrapped.
+        for bad in [
+            SliceSpec {
+                head: usize::MAX,
+                ..spec
+            },
+            SliceSpec {
+                head: usize::MAX / 2,
+                ..spec
+            },
+        ] {
+            assert!(matches!(
+                gather(&bad, &bufs, &[0], &mut block),
+                Err(CopyError::Heads { .. })
+            ));
+            assert!(matches!(
+                scatter(&bad, &block, &mut dst, &[0]),
+                Err(CopyError::Heads { .. })
+            ));
+        }
+        // A block size past usize saturates and is refused as too short.
+        assert_eq!(spec.block_len(usize::MAX, 2), usize::MAX);
     }
 }

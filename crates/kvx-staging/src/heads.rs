@@ -246,7 +246,7 @@ impl StagedLayout {
         let block = placement.offset.checked_add(self.writer_offset(w, pages))?;
         let len = lb.checked_mul(u64::from(n))?;
         let k = block.checked_add(lb.checked_mul(u64::from(first))?)?;
-        let v = block.checked_add(lb.checked_mul(u64::from(self.layers + first))?)?;
+        let v = block.checked_add(lb.checked_mul(u64::from(self.layers) + u64::from(first))?)?;
         let v_end = v.checked_add(len)?;
         if v_end > placement.end || v_end > ring_size {
             return None;
@@ -372,6 +372,13 @@ mod tests {
         );
         assert_eq!(
             l.stage_write_ops(1, 2, &p, (1 << 20, 1 << 30), 7, 2, 2),
+            None
+        );
+        // A layer count near u32::MAX: the V slot index (layers + first) leaves u32 and must
+        // not wrap; the block is far larger than the placement, so nothing is written.
+        let huge = StagedLayout::for_decode(&g, 0, u32::MAX, 256, 16);
+        assert_eq!(
+            huge.stage_write_ops(0, 2, &p, (1 << 20, 1 << 30), 7, u32::MAX - 1, 1),
             None
         );
         // 8 heads on decode TP 1, page 16: item 16 * 8 * 256.
