@@ -282,6 +282,14 @@ impl Shared {
         r
     }
 
+    /// Queues a 3-frame status message for the notifier.
+    pub(crate) fn send_status(&self, room: Room, endpoint: Endpoint, status: KVPoll) {
+        metrics::counter!("kvx_status_sent_total", "status" => status.to_string()).increment(1);
+        let rank = lock(&self.table).prefill_unique_rank();
+        let f = wire::encode_status(room, status, rank);
+        let _ = lock(&self.notices).send(Notice::Send(endpoint, f));
+    }
+
     /// Performs the manager's actions.
     fn apply(&self, actions: Vec<PrefillAction>) {
         for a in actions {
@@ -327,14 +335,8 @@ impl Shared {
                     room,
                     endpoint,
                     status,
-                    prefill_rank,
                     ..
-                } => {
-                    metrics::counter!("kvx_status_sent_total", "status" => status.to_string())
-                        .increment(1);
-                    let f = wire::encode_status(room, status, prefill_rank);
-                    let _ = lock(&self.notices).send(Notice::Send(endpoint, f));
-                }
+                } => self.send_status(room, endpoint, status),
                 PrefillAction::AbortAck { endpoint, room, .. } => {
                     let _ = lock(&self.notices)
                         .send(Notice::Send(endpoint, wire::encode_abort_ack(room)));
@@ -574,18 +576,29 @@ impl Drop for PrefillEngine {
     }
 }
 
+/// Sockets toward decodes idle this long are closed (a departed decode leaves nothing behind).
+const SOCKET_IDLE: Duration = Duration::from_secs(2);
+
 fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
-    let mut sockets: HashMap<Endpoint, zmq::Socket> = HashMap::new();
-    while let Ok(n) = rx.recv() {
+    let mut sockets: HashMap<Endpoint, (zmq::Socket, Instant)> = HashMap::new();
+    loop {
+        let n = match rx.recv_timeout(Duration::from_millis(500)) {
+            Ok(n) => n,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                sockets.retain(|_, (_, used)| used.elapsed() < SOCKET_IDLE);
+                continue;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        };
         match n {
             Notice::Flush(done) => {
                 let _ = done.send(());
             }
             Notice::Send(ep, frames) => {
-                let sock = match sockets.entry(ep.clone()) {
+                let entry = match sockets.entry(ep.clone()) {
                     std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
                     std::collections::hash_map::Entry::Vacant(v) => match push_socket(&ctx, &ep) {
-                        Ok(s) => v.insert(s),
+                        Ok(s) => v.insert((s, Instant::now())),
                         Err(e) => {
                             metrics::counter!("kvx_notice_failures_total").increment(1);
                             tracing::warn!(%ep, error = %e, "cannot connect to decode inbox");
@@ -593,7 +606,8 @@ fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
                         }
                     },
                 };
-                if let Err(e) = sock.send_multipart(frames, zmq::DONTWAIT) {
+                entry.1 = Instant::now();
+                if let Err(e) = entry.0.send_multipart(frames, zmq::DONTWAIT) {
                     metrics::counter!("kvx_notice_failures_total").increment(1);
                     tracing::warn!(%ep, error = %e, "status message dropped");
                 }

@@ -7,13 +7,14 @@
 
 use std::sync::Arc;
 
-use kvx_rdma::{RegionKey, TcpConfig, TcpTransport, Transport, TransportError};
+use kvx_rdma::{RegionKey, Session, TcpConfig, TcpTransport, Transport, TransportError};
 
 use crate::region::Region;
 
 /// A transport with the regions registered on it.
 pub struct DataPlane {
     transport: Arc<dyn Transport>,
+    tcp: Option<Arc<TcpTransport>>,
     keys: Vec<RegionKey>,
     _regions: Vec<Arc<Region>>,
 }
@@ -51,6 +52,7 @@ impl DataPlane {
         }
         Ok(DataPlane {
             transport,
+            tcp: None,
             keys,
             _regions: regions,
         })
@@ -61,7 +63,10 @@ impl DataPlane {
         connections: usize,
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
-        DataPlane::new(TcpTransport::client(tcp_config(connections)), regions)
+        let t = TcpTransport::client(tcp_config(connections));
+        let mut plane = DataPlane::new(t.clone(), regions)?;
+        plane.tcp = Some(t);
+        Ok(plane)
     }
 
     /// A listening tcp plane on `addr` (a decode rank, a link-test receiver).
@@ -71,7 +76,18 @@ impl DataPlane {
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
         let t = TcpTransport::bind(addr, tcp_config(connections)).await?;
-        DataPlane::new(t, regions)
+        let mut plane = DataPlane::new(t.clone(), regions)?;
+        plane.tcp = Some(t);
+        Ok(plane)
+    }
+
+    /// A session to `peer` owned by the caller alone (tcp: not cached by the transport), so
+    /// that dropping it closes its connections; other backends share their cached session.
+    pub async fn open_session(&self, peer: &str) -> Result<Arc<dyn Session>, TransportError> {
+        match &self.tcp {
+            Some(t) => Ok(Arc::new(t.open_session(peer).await?)),
+            None => self.transport.connect(peer).await,
+        }
     }
 
     /// The transport.

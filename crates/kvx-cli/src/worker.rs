@@ -121,57 +121,107 @@ fn supervise(
 }
 
 fn worker_loop(shared: &Shared, queue: &Mutex<Receiver<Job>>) -> Result<(), WorkerFault> {
-    let mut sessions: HashMap<SessionId, Arc<dyn Session>> = HashMap::new();
+    let mut sessions: HashMap<SessionId, (Arc<dyn Session>, Instant)> = HashMap::new();
     loop {
         if shared.stop.load(Ordering::Relaxed) {
             return Ok(());
         }
         let job = match lock(queue).recv_timeout(Duration::from_millis(100)) {
             Ok(j) => j,
-            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Timeout) => {
+                // A departed decode leaves no connection behind.
+                sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
+                continue;
+            }
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         };
         let result = execute(shared, &mut sessions, job.room, &job.session, job.ops)?;
-        let _ = shared.handle(PrefillEvent::BatchDone {
-            batch_id: job.batch_id,
-            result,
-        });
+        match result {
+            Outcome::Done => {
+                let _ = shared.handle(PrefillEvent::BatchDone {
+                    batch_id: job.batch_id,
+                    result: Ok(()),
+                });
+            }
+            Outcome::PeerFailed(reason) => {
+                // sglang's rule: a failed transfer blacklists the decode session.
+                let _ = shared.handle(PrefillEvent::BatchDone {
+                    batch_id: job.batch_id,
+                    result: Err(reason),
+                });
+            }
+            Outcome::RoomFailed(reason) => {
+                // One room's problem: fail it, tell its decode, keep the session usable.
+                tracing::warn!(room = %job.room, %reason, "room failed");
+                let endpoint = lock(&shared.table)
+                    .registration(&job.session)
+                    .map(|r| r.endpoint.clone());
+                let _ = shared.handle(PrefillEvent::LocalAbort { room: job.room });
+                if let Some(endpoint) = endpoint {
+                    shared.send_status(job.room, endpoint, KVPoll::Failed);
+                }
+                let _ = shared.handle(PrefillEvent::BatchDone {
+                    batch_id: job.batch_id,
+                    result: Ok(()),
+                });
+            }
+        }
+        sessions.retain(|_, (s, _)| s.is_alive());
     }
+}
+
+/// Data sessions idle this long are closed.
+const SESSION_IDLE: Duration = Duration::from_secs(2);
+
+/// How one batch ended (fatal faults leave through the outer `Err`).
+enum Outcome {
+    /// Every write landed.
+    Done,
+    /// The decode session is unusable (unreachable, lost): fails the room, blacklists the session.
+    PeerFailed(String),
+    /// Only this room is affected (rejected writes, an injected per-room fault).
+    RoomFailed(String),
 }
 
 /// Posts one batch. Outer error: fatal for the worker; inner: fails the room (a peer failure
 /// also drops the cached session so the next batch reconnects).
 fn execute(
     shared: &Shared,
-    sessions: &mut HashMap<SessionId, Arc<dyn Session>>,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
     room: Room,
     session: &SessionId,
     ops: Vec<TransferOp>,
-) -> Result<Result<(), String>, WorkerFault> {
+) -> Result<Outcome, WorkerFault> {
     fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
         WorkerFault::Injected {
             point: "kvx::transfer_worker::batch",
             detail: arg.unwrap_or_default(),
         }
     ));
-    fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(Err(format!(
-        "injected per-room fault: {}",
-        arg.unwrap_or_default()
-    ))));
+    fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(
+        Outcome::RoomFailed(format!(
+            "injected per-room fault: {}",
+            arg.unwrap_or_default()
+        ))
+    ));
     if lock(&shared.table).poll(room) != Some(KVPoll::WaitingForInput) {
-        return Ok(Err(format!("room {room} is no longer transferring")));
+        // Failed (or gone) meanwhile: nothing to write, just complete the batch.
+        return Ok(Outcome::Done);
     }
-    let s = match sessions.get(session) {
-        Some(s) if s.is_alive() => s.clone(),
+    let s = match sessions.get_mut(session) {
+        Some((s, used)) if s.is_alive() => {
+            *used = Instant::now();
+            s.clone()
+        }
         _ => match shared
             .rt
-            .block_on(shared.plane.transport().connect(session.as_str()))
+            .block_on(shared.plane.open_session(session.as_str()))
         {
             Ok(s) => {
-                sessions.insert(session.clone(), s.clone());
+                sessions.insert(session.clone(), (s.clone(), Instant::now()));
                 s
             }
-            Err(e) => return Ok(Err(peer_failed(session, &e))),
+            Err(e) => return Ok(Outcome::PeerFailed(peer_failed(session, &e))),
         },
     };
     let t0 = Instant::now();
@@ -180,13 +230,15 @@ fn execute(
             metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
             metrics::counter!("kvx_transfer_batches_total").increment(1);
             metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
-            Ok(Ok(()))
+            Ok(Outcome::Done)
         }
         Err(e) if e.is_peer_failure() => {
             sessions.remove(session);
-            Ok(Err(peer_failed(session, &e)))
+            Ok(Outcome::PeerFailed(peer_failed(session, &e)))
         }
-        Err(e) => Ok(Err(e.to_string())),
+        Err(e) => Ok(Outcome::RoomFailed(format!(
+            "Failed to send kv chunk of {room} to {session}: {e}"
+        ))),
     }
 }
 
