@@ -235,7 +235,7 @@ impl Peer {
                     .kv
                     .read(base + p as u64 * l.item_len, l.item_len)
                     .ok()?;
-                if !model::check_page(data, room.get(), b as u32, i as u32) {
+                if !l.check_kv(data, room.get(), b as u32, i as u32) {
                     tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
                     return None;
                 }

@@ -21,7 +21,9 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         .enable_all()
         .build()?;
     let m = args.model.clone();
-    let layout = m.model.layout(m.tp_size, m.page_size, m.pool_pages);
+    let layout = m
+        .model
+        .layout(m.tp_size, m.tp_rank, m.page_size, m.pool_pages);
     let (summary, fatal) = rt.block_on(async {
         let server = BootstrapServer::bind_with(
             ("127.0.0.1", 0),

@@ -39,7 +39,7 @@ impl SyntheticModel {
             for (i, &p) in pages.iter().enumerate() {
                 let addr = base + p as u64 * l.item_len;
                 let _ = self.kv.write_with(addr, l.item_len, |s| {
-                    model::fill_page(s, room.get(), b as u32, i as u32)
+                    l.fill_kv(s, room.get(), b as u32, i as u32)
                 });
             }
         }

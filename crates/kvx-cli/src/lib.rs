@@ -9,7 +9,7 @@
 //! use kvx_cli::model::{self, ModelPreset};
 //!
 //! // Llama-3-8B at TP1 carries 128 KiB of KV per token.
-//! let layout = ModelPreset::Llama3_8b.layout(1, 16, 64);
+//! let layout = ModelPreset::Llama3_8b.layout(1, 0, 16, 64);
 //! assert_eq!(layout.bytes_per_page(), 16 * 128 * 1024);
 //!
 //! // The decode checks every byte against the pattern the prefill wrote.

@@ -13,7 +13,12 @@ fn main() {
     // Failpoints (feature `failpoints`) are configured by the FAILPOINTS environment variable.
     let _failpoints = fail::FailScenario::setup();
     let quiet = matches!(cli.command, Command::Demo(_) | Command::Send(_));
-    telemetry::init_tracing(if quiet { "warn" } else { "info" });
+    // The demo's decode leaves while the prefill still holds its session: that is no news.
+    telemetry::init_tracing(if quiet {
+        "warn,kvx_rdma::tcp::client=error"
+    } else {
+        "info"
+    });
     let code = match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
@@ -46,7 +51,9 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         bootstrap_host: host.trim_matches(['[', ']']).to_owned(),
         bootstrap_port: port.parse()?,
         host: a.host.clone(),
-        layout: m.model.layout(m.tp_size, m.page_size, m.pool_pages),
+        layout: m
+            .model
+            .layout(m.tp_size, m.tp_rank, m.page_size, m.pool_pages),
         tp_size: m.tp_size,
         tp_rank: m.tp_rank,
         kv_cache_dtype: m.kv_cache_dtype.clone(),

@@ -45,28 +45,46 @@ pub struct KvLayout {
     pub mla: bool,
     /// KV heads of the whole model (1 for MLA latents).
     pub total_kv_heads: u32,
+    /// KV heads this rank holds.
+    pub heads: u32,
+    /// Global index of this rank's first head.
+    pub head_offset: u32,
+    /// Bytes of one head of one token.
+    pub head_bytes: u64,
 }
 
 impl ModelPreset {
     /// The layout of rank `tp_rank` of `tp_size` with the given page size and pool size.
-    pub fn layout(self, tp_size: u32, page_size: u64, pool_pages: u64) -> KvLayout {
-        let tp = u64::from(tp_size.max(1));
-        let (layers, elems_per_token, mla, heads) = match self {
-            ModelPreset::Llama3_8b => (32, (8 / tp).max(1) * 128, false, 8),
-            ModelPreset::Llama3_70b => (80, (8 / tp).max(1) * 128, false, 8),
-            ModelPreset::DeepseekV3 => (61, 576, true, 1),
-            ModelPreset::Tiny => (2, 64, false, 1),
+    pub fn layout(self, tp_size: u32, tp_rank: u32, page_size: u64, pool_pages: u64) -> KvLayout {
+        let tp = tp_size.max(1);
+        let (layers, total_heads, head_dim, mla) = match self {
+            ModelPreset::Llama3_8b => (32, 8u32, 128u64, false),
+            ModelPreset::Llama3_70b => (80, 8, 128, false),
+            ModelPreset::DeepseekV3 => (61, 1, 576, true),
+            ModelPreset::Tiny => (2, 1, 64, false),
+        };
+        // MLA latents are replicated on every rank; MHA heads are split (and replicated when
+        // there are more ranks than heads).
+        let (heads, head_offset) = if mla {
+            (1, 0)
+        } else {
+            let per_rank = (total_heads / tp).max(1);
+            let offset = (u64::from(tp_rank % tp) * u64::from(total_heads) / u64::from(tp)) as u32;
+            (per_rank, offset.min(total_heads - per_rank))
         };
         let num_buffers = if mla { layers } else { 2 * layers };
         KvLayout {
             num_buffers,
-            item_len: page_size * elems_per_token * 2,
+            item_len: page_size * u64::from(heads) * head_dim * 2,
             page_size,
             pool_pages,
             aux_item_len: 64,
             aux_rows: 1024,
             mla,
-            total_kv_heads: heads,
+            total_kv_heads: total_heads,
+            heads,
+            head_offset,
+            head_bytes: head_dim * 2,
         }
     }
 }
@@ -105,6 +123,46 @@ impl KvLayout {
     /// Address of buffer `b` given the pool base.
     pub fn buffer_addr(&self, base: u64, b: usize) -> u64 {
         base + b as u64 * self.pool_pages * self.item_len
+    }
+
+    /// Fills page `page_in_room` of buffer `buffer` (`dst`, one page, NHD: token, head, bytes)
+    /// with the room's pattern. The pattern of a head is a function of the global token and
+    /// head, so ranks with different TP layouts agree on every byte.
+    pub fn fill_kv(&self, dst: &mut [u8], room: u64, buffer: u32, page_in_room: u32) {
+        self.for_heads(dst.len(), page_in_room, |off, token, head| {
+            if let Some(h) = dst.get_mut(off..off + self.head_bytes as usize) {
+                fill_page(h, room ^ (u64::from(head) << 56), buffer, token);
+            }
+            true
+        });
+    }
+
+    /// True when `src` (one page of buffer `buffer`) holds exactly the room's pattern.
+    pub fn check_kv(&self, src: &[u8], room: u64, buffer: u32, page_in_room: u32) -> bool {
+        src.len() as u64 == self.item_len
+            && self.for_heads(src.len(), page_in_room, |off, token, head| {
+                src.get(off..off + self.head_bytes as usize)
+                    .is_some_and(|h| check_page(h, room ^ (u64::from(head) << 56), buffer, token))
+            })
+    }
+
+    /// Calls `f(byte offset, global token, global head)` for every head slot of a page.
+    fn for_heads(
+        &self,
+        len: usize,
+        page_in_room: u32,
+        mut f: impl FnMut(usize, u32, u32) -> bool,
+    ) -> bool {
+        let hb = self.head_bytes.max(1) as usize;
+        let heads = self.heads.max(1) as usize;
+        for slot in 0..len / hb {
+            let token = page_in_room as usize * self.page_size as usize + slot / heads;
+            let head = self.head_offset as usize + slot % heads;
+            if !f(slot * hb, token as u32, head as u32) {
+                return false;
+            }
+        }
+        true
     }
 
     /// The per-buffer addresses, as sglang's `kv_data_ptrs`.
@@ -181,12 +239,34 @@ mod tests {
 
     #[test]
     fn llama3_8b_is_128_kib_per_token() {
-        let l = ModelPreset::Llama3_8b.layout(1, 1, 16);
+        let l = ModelPreset::Llama3_8b.layout(1, 0, 1, 16);
         assert_eq!(l.bytes_per_page(), 128 * 1024);
-        let d = ModelPreset::DeepseekV3.layout(1, 1, 16);
+        let d = ModelPreset::DeepseekV3.layout(1, 0, 1, 16);
         assert_eq!((d.num_buffers, d.item_len), (61, 1152));
-        let l70 = ModelPreset::Llama3_70b.layout(4, 16, 16);
-        assert_eq!(l70.item_len, 16 * 2 * 128 * 2);
+        let l70 = ModelPreset::Llama3_70b.layout(4, 3, 16, 16);
+        assert_eq!((l70.item_len, l70.head_offset), (16 * 2 * 128 * 2, 6));
+    }
+
+    #[test]
+    fn head_slices_agree_across_tp_layouts() {
+        // A TP1 page holds heads 0..8; the TP2 rank 1 page holds heads 4..8 of the same tokens.
+        let full = ModelPreset::Llama3_8b.layout(1, 0, 2, 4);
+        let half = ModelPreset::Llama3_8b.layout(2, 1, 2, 4);
+        let mut a = vec![0u8; full.item_len as usize];
+        full.fill_kv(&mut a, 7, 3, 1);
+        assert!(full.check_kv(&a, 7, 3, 1));
+        let mut b = vec![0u8; half.item_len as usize];
+        half.fill_kv(&mut b, 7, 3, 1);
+        let hb = half.head_bytes as usize;
+        for token in 0..2 {
+            for h in 0..4 {
+                let from_half = &b[(token * 4 + h) * hb..][..hb];
+                let from_full = &a[(token * 8 + 4 + h) * hb..][..hb];
+                assert_eq!(from_half, from_full);
+            }
+        }
+        a[5] ^= 1;
+        assert!(!full.check_kv(&a, 7, 3, 1));
     }
 
     #[test]

@@ -66,7 +66,9 @@ pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration
 /// Starts a prefill rank with its synthetic forward pass on its own thread.
 pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<PrefillEngine>> {
     let m = &args.model;
-    let layout = m.model.layout(m.tp_size, m.page_size, m.pool_pages);
+    let layout = m
+        .model
+        .layout(m.tp_size, m.tp_rank, m.page_size, m.pool_pages);
     let mem = prefill_memory(&layout);
     let cfg = PrefillConfig {
         host: args.host.clone(),
