@@ -241,6 +241,36 @@ async fn routes_answer_like_sglang() {
 }
 
 #[tokio::test]
+async fn sizes_whose_product_overflows_are_served_not_ready() {
+    let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let max = u32::MAX;
+    let body = format!(
+        r#"{{"attn_tp_size":{max},"attn_tp_rank":0,"attn_cp_size":{max},"attn_cp_rank":0,
+        "attn_dp_size":{max},"attn_dp_rank":0,"pp_size":{max},"pp_rank":0,"system_dp_size":1,
+        "system_dp_rank":0,"rank_ip":"127.0.0.1","rank_port":5000}}"#
+    );
+    let put = call(reqwest::Method::PUT, format!("{base}/route"), Some(&body)).await;
+    assert_eq!((put.0, put.2.as_str()), (200, "OK"));
+    let sentinel = format!(
+        "{base}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    );
+    let (status, _, text) = call(reqwest::Method::GET, sentinel, None).await;
+    assert_eq!(
+        (status, text.as_str()),
+        (
+            503,
+            "Prefill server not fully registered yet (1 workers registered)."
+        )
+    );
+    let health = call(reqwest::Method::GET, format!("{base}/health"), None).await;
+    assert_eq!(health.0, 200);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn extra_routes_are_served_alongside() {
     let extra = Router::new().route("/metrics", get(|| async { "kvx_up 1\n" }));
     let server = BootstrapServer::bind_with("127.0.0.1:0", ServerConfig::default(), extra)

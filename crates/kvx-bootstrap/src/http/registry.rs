@@ -127,14 +127,15 @@ impl Registry {
         self.registered
     }
 
-    /// The number of ranks the instance has, once all four sizes are known.
+    /// The number of ranks the instance has, once all four sizes are known. The sizes come from
+    /// request bodies: a product beyond u64 saturates (such an instance is never ready).
     pub fn expected(&self) -> Option<u64> {
         let t = &self.topology;
         Some(
             u64::from(t.dp_size?)
-                * u64::from(t.attn_cp_size?)
-                * u64::from(t.attn_tp_size?)
-                * u64::from(t.pp_size?),
+                .saturating_mul(u64::from(t.attn_cp_size?))
+                .saturating_mul(u64::from(t.attn_tp_size?))
+                .saturating_mul(u64::from(t.pp_size?)),
         )
     }
 
@@ -275,6 +276,17 @@ mod tests {
             r.route(RouteQuery { tp_rank: 2, ..q }),
             RouteAnswer::NotFound
         );
+    }
+
+    #[test]
+    fn sizes_whose_product_overflows_never_become_ready() {
+        let mut r = Registry::new();
+        let mut huge = reg(u32::MAX, 0, 5000);
+        (huge.attn_cp_size, huge.pp_size, huge.attn_dp_size) = (u32::MAX, u32::MAX, u32::MAX);
+        r.register_rank(&huge);
+        assert_eq!(r.expected(), Some(u64::MAX));
+        assert!(!r.is_ready());
+        assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(1));
     }
 
     #[test]
