@@ -266,9 +266,18 @@ async fn adversarial_client_is_rejected_and_server_lives_on() {
             (Some(RejectReason::OutOfBounds), 2, 5)
         );
 
-        // A vectored write whose entry is oversized: rejected and closed.
+        // A vectored write whose entry is oversized (after a wrong key): rejected and closed;
+        // the fatal reason is the one reported.
         let (mut s, _) = raw_connect(&ep2);
-        let mut frame = ClientFrame::WriteV { count: 1, tag: 0 }.encode().to_vec();
+        let mut frame = ClientFrame::WriteV { count: 2, tag: 0 }.encode().to_vec();
+        frame.extend_from_slice(
+            &Entry {
+                key: kvx_rdma::RegionKey(key ^ 1),
+                addr: base,
+                len: 1,
+            }
+            .encode(),
+        );
         frame.extend_from_slice(
             &Entry {
                 key: kvx_rdma::RegionKey(key),

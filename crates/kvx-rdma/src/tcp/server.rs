@@ -156,6 +156,8 @@ struct Window {
     bytes: u64,
     rejected: u32,
     first: Option<(RejectReason, u64)>,
+    /// A rejection that closes the connection; reported in place of `first`.
+    fatal: Option<(RejectReason, u64)>,
 }
 
 impl Window {
@@ -168,13 +170,19 @@ impl Window {
         }
     }
 
+    fn reject_fatal(&mut self, reason: RejectReason, addr: u64) {
+        self.reject(reason, addr);
+        self.fatal = Some((reason, addr));
+    }
+
     fn ack(&mut self, tag: u64) -> Ack {
         let w = std::mem::take(self);
+        let shown = w.fatal.or(w.first);
         Ack {
             tag,
-            status: w.first.map(|f| f.0),
+            status: shown.map(|f| f.0),
             rejected: w.rejected,
-            first_rejected_addr: w.first.map_or(0, |f| f.1),
+            first_rejected_addr: shown.map_or(0, |f| f.1),
             bytes: w.bytes,
         }
     }
@@ -314,7 +322,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
         let frame = match ClientFrame::decode(&hdr) {
             Ok(f) => f,
             Err(reason) => {
-                win.reject(reason, 0);
+                win.reject_fatal(reason, 0);
                 let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
                 return Err(proto_err("malformed frame header"));
             }
@@ -356,7 +364,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
 /// drained), `None` when its length is above the limit (the connection must close).
 fn check_write(ctx: &ServerCtx, win: &mut Window, e: Entry) -> Option<RecvTarget> {
     if e.len > u64::from(ctx.max_write_len) {
-        win.reject(RejectReason::TooLong, e.addr);
+        win.reject_fatal(RejectReason::TooLong, e.addr);
         return None;
     }
     match ctx.table.check_keyed(e.key, e.addr, e.len) {
@@ -377,7 +385,7 @@ fn entries_to_payload(buf: &[u8], ctx: &ServerCtx, win: &mut Window) -> io::Resu
         let e = match Entry::decode(raw) {
             Ok(e) => e,
             Err(reason) => {
-                win.reject(reason, 0);
+                win.reject_fatal(reason, 0);
                 return Err(proto_err("malformed vectored-write entry"));
             }
         };
