@@ -370,7 +370,12 @@ fn check_write(ctx: &ServerCtx, win: &mut Window, e: Entry) -> Option<RecvTarget
     match ctx.table.check_keyed(e.key, e.addr, e.len) {
         Ok(span) => Some(RecvTarget::Mem(span)),
         Err(reason) => {
-            tracing::warn!(key = %e.key, addr = e.addr, len = e.len, %reason, "rejected write");
+            // One warning per window (the rest are counted and logged at debug level).
+            if win.first.is_none() {
+                tracing::warn!(key = %e.key, addr = e.addr, len = e.len, %reason, "rejected write");
+            } else {
+                tracing::debug!(key = %e.key, addr = e.addr, len = e.len, %reason, "rejected write");
+            }
             win.reject(reason, e.addr);
             Some(RecvTarget::Discard(e.len))
         }
