@@ -30,7 +30,7 @@ use super::qp::{QpConfig, RcQueuePair, RemotePort};
 use super::sched::SchedConfig;
 use super::session::{SessionParts, VerbsSession, to_transport_error};
 use crate::error::TransportError;
-use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
+use crate::segment::{RegionKey, SegmentDescriptor};
 use crate::transport::{BoxFuture, Session, Transport};
 
 /// Configuration of a [`VerbsTransport`].
@@ -186,16 +186,7 @@ impl VerbsTransport {
         };
         let remote_desc = SegmentDescriptor {
             endpoint: peer.to_owned(),
-            regions: theirs
-                .regions
-                .regions()
-                .iter()
-                .map(|r| RegionDesc {
-                    base: r.base,
-                    len: r.len,
-                    key: RegionKey(r.key),
-                })
-                .collect(),
+            regions: theirs.regions.descs(),
         };
         tracing::info!(%peer, qps = qps.len(), ?limits, "verbs session connected");
         Ok(VerbsSession::start(
@@ -251,17 +242,7 @@ impl Transport for VerbsTransport {
     fn descriptor(&self) -> SegmentDescriptor {
         SegmentDescriptor {
             endpoint: self.endpoint.clone(),
-            regions: self
-                .dev
-                .remote_keys()
-                .regions()
-                .iter()
-                .map(|r| RegionDesc {
-                    base: r.base,
-                    len: r.len,
-                    key: RegionKey(r.key),
-                })
-                .collect(),
+            regions: self.dev.remote_keys().descs(),
         }
     }
 

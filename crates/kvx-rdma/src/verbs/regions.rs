@@ -7,6 +7,7 @@
 //! carries an address that was not registered.
 
 use super::error::VerbsError;
+use crate::segment::{RegionDesc, RegionKey};
 
 /// One registered range and its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,6 +89,18 @@ impl RegionTable {
         &self.regions
     }
 
+    /// The regions as a segment descriptor lists them (the key is the region key).
+    pub fn descs(&self) -> Vec<RegionDesc> {
+        self.regions
+            .iter()
+            .map(|r| RegionDesc {
+                base: r.base,
+                len: r.len,
+                key: RegionKey(r.key),
+            })
+            .collect()
+    }
+
     /// Number of regions.
     pub fn len(&self) -> usize {
         self.regions.len()
@@ -131,6 +144,18 @@ mod tests {
             },
         ])
         .unwrap()
+    }
+
+    #[test]
+    fn descs_follow_the_sorted_regions() {
+        let d = table().descs();
+        assert_eq!(
+            d.iter().map(|r| (r.base, r.len, r.key)).collect::<Vec<_>>(),
+            vec![
+                (0x1000, 0x100, RegionKey(1)),
+                (0x2000, 0x1000, RegionKey(7))
+            ]
+        );
     }
 
     #[test]

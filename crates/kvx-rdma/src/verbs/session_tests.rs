@@ -15,7 +15,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::segment::{RegionDesc, RegionKey};
 use crate::verbs::cq::Wc;
 use crate::verbs::path::{LocalKeys, SendPath};
 use crate::verbs::post::encode_wr_id;
@@ -162,15 +161,7 @@ async fn fixture<P: SendPath>(nic: P, posts: Arc<AtomicUsize>, sched: SchedConfi
     let (peer_end, _) = listener.accept().await.unwrap();
     let remote_desc = SegmentDescriptor {
         endpoint: "sim".into(),
-        regions: remote
-            .regions()
-            .iter()
-            .map(|r| RegionDesc {
-                base: r.base,
-                len: r.len,
-                key: RegionKey(r.key),
-            })
-            .collect(),
+        regions: remote.descs(),
     };
     let session = VerbsSession::start(
         nic,
