@@ -268,6 +268,43 @@ mod tests {
         assert_eq!(map_ranks(&i), Err(MappingError::DecodeCp(2)));
     }
 
+    proptest::proptest! {
+        /// Any sizes a bootstrap answer can carry: no panic, bounded target lists, and the
+        /// response count never exceeds the real targets.
+        #[test]
+        fn any_sizes_map_or_fail_typed(
+            prefill_tp in proptest::prop_oneof![1u32..=16, proptest::num::u32::ANY],
+            prefill_cp in proptest::prop_oneof![1u32..=4, proptest::num::u32::ANY],
+            prefill_pp in proptest::prop_oneof![1u32..=4, proptest::num::u32::ANY],
+            decode_tp in proptest::prop_oneof![1u32..=16, proptest::num::u32::ANY],
+            decode_pp in 0u32..=4,
+            decode_rank in proptest::num::u32::ANY,
+            decode_pp_rank in proptest::num::u32::ANY,
+            mla in proptest::bool::ANY,
+            all_cp_ranks in proptest::bool::ANY,
+        ) {
+            let i = MappingInput {
+                prefill_tp,
+                prefill_cp,
+                prefill_pp,
+                decode_tp,
+                decode_cp: 1,
+                decode_pp,
+                decode_rank,
+                decode_pp_rank,
+                mla,
+                all_cp_ranks,
+            };
+            if let Ok(m) = map_ranks(&i) {
+                proptest::prop_assert!(m.targets.len() as u64 <= MAX_TARGETS);
+                let real = m.targets.iter().filter(|t| !t.dummy).count() as u64;
+                proptest::prop_assert!(u64::from(m.required_prefill_response_num) <= real);
+                proptest::prop_assert!(m.targets.iter().all(|t| t.tp_rank < prefill_tp
+                    && t.cp_rank < prefill_cp && t.pp_rank < prefill_pp));
+            }
+        }
+    }
+
     #[test]
     fn sizes_from_a_peer_cannot_overflow_or_exhaust_memory() {
         // Prefill sizes as a bootstrap answer could carry them: the response count used to

@@ -281,4 +281,33 @@ mod tests {
         // A block size past usize saturates and is refused as too short.
         assert_eq!(spec.block_len(usize::MAX, 2), usize::MAX);
     }
+
+    fn edge() -> impl proptest::strategy::Strategy<Value = usize> {
+        use proptest::prelude::*;
+        prop_oneof![0usize..=64, Just(usize::MAX), (usize::MAX / 4)..=usize::MAX]
+    }
+
+    proptest::proptest! {
+        /// Any spec and page list: a typed error or a copy that stays inside every slice.
+        #[test]
+        fn any_spec_is_refused_or_copies_in_bounds(
+            page_size in edge(),
+            bytes_per_head_token in edge(),
+            item_len in edge(),
+            head in edge(),
+            n_heads in edge(),
+            pages in proptest::collection::vec(-2i32..6, 0..4),
+        ) {
+            let spec = SliceSpec { page_size, bytes_per_head_token, item_len, head, n_heads };
+            let bufs = vec![vec![7u8; 256]; 2];
+            let mut block = vec![0u8; 1024];
+            if let Ok(n) = gather(&spec, &bufs, &pages, &mut block) {
+                proptest::prop_assert_eq!(n, spec.block_len(2, pages.len()));
+            }
+            let mut dst = vec![vec![0u8; 256]; 2];
+            if let Ok(n) = scatter(&spec, &block, &mut dst, &pages) {
+                proptest::prop_assert_eq!(n, spec.block_len(2, pages.len()));
+            }
+        }
+    }
 }

@@ -99,6 +99,36 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Geometry as a decode's registration can carry it (any TP size, rank, item length):
+    /// computing the slice never panics, and an accepted slice fits one token on both sides.
+    #[test]
+    fn head_slice_geometry_from_a_peer_never_panics(
+        total_kv_heads in any::<u32>(),
+        src_tp_size in any::<u32>(),
+        src_tp_rank in any::<u32>(),
+        dst_tp_size in any::<u32>(),
+        dst_tp_rank in any::<u32>(),
+        src_item in any::<u64>(),
+        dst_item in prop_oneof![any::<u64>(), (u64::MAX - 1024)..=u64::MAX],
+        page_size in prop_oneof![Just(1u32), any::<u32>()],
+    ) {
+        let params = HeadSliceParams {
+            total_kv_heads,
+            src_tp_size,
+            src_tp_rank,
+            dst_tp_size,
+            dst_tp_rank,
+        };
+        if let Ok(s) = params.slice(src_item, dst_item, page_size) {
+            let ps = u64::from(page_size);
+            prop_assert!(s.len > 0);
+            prop_assert!(s.src_offset.checked_add(s.len).is_some_and(|e| e <= src_item / ps));
+            prop_assert!(s.dst_offset.checked_add(s.len).is_some_and(|e| e <= dst_item / ps));
+        }
+    }
+}
+
 /// Fake registered memory: bytes based at a virtual address. Applying an op outside it panics
 /// (the test fails), so these tests also prove bounds.
 struct Mem {
