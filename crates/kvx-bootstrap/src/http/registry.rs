@@ -7,7 +7,7 @@
 //! double counts, as in sglang), and the instance is ready once all four sizes are known and
 //! `registered >= dp·cp·tp·pp`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::types::{PrefillServerInfo, RankInfo, RankRegistration};
@@ -192,12 +192,14 @@ impl Registry {
     }
 
     /// Answers `POST /query_dp_ranks`: the known rooms, in request order, without duplicates;
-    /// unknown rooms are left out.
+    /// unknown rooms are left out. Linear in the request (the list comes from a request body
+    /// and is answered under the registry lock).
     pub fn query_dp_ranks(&self, rooms: &[u64]) -> Vec<(u64, i64)> {
         let mut out: Vec<(u64, i64)> = Vec::new();
+        let mut seen = HashSet::new();
         for room in rooms {
             if let Some((dp, _)) = self.room_to_dp_rank.get(room)
-                && !out.iter().any(|(r, _)| r == room)
+                && seen.insert(*room)
             {
                 out.push((*room, *dp));
             }
@@ -318,6 +320,10 @@ mod tests {
         r.register_dp_rank(7, 1, t0);
         r.register_dp_rank(8, 0, t0 + Duration::from_secs(100));
         assert_eq!(r.query_dp_ranks(&[8, 9, 7, 8]), vec![(8, 0), (7, 1)]);
+        let many: Vec<u64> = (0..100_000u64)
+            .map(|i| [7, 8, 9][(i % 3) as usize])
+            .collect();
+        assert_eq!(r.query_dp_ranks(&many), vec![(7, 1), (8, 0)]);
         let ttl = Duration::from_secs(120);
         assert_eq!(r.sweep_dp_ranks(t0 + Duration::from_secs(120), ttl), 0);
         assert_eq!(r.sweep_dp_ranks(t0 + Duration::from_secs(121), ttl), 1);
