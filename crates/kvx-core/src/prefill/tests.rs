@@ -94,6 +94,18 @@ impl Harness {
         std::mem::take(&mut self.out)
     }
 
+    /// Registers session 2, opens `room` with metadata for one destination page, and sends
+    /// its only chunk (source page `src_page`, last); returns the chunk's actions.
+    fn one_page_room(&mut self, room: Room, src_page: i32) -> Vec<PrefillAction> {
+        self.ev(PrefillEvent::Register(registration(2, 1)));
+        self.open(room);
+        self.ev(PrefillEvent::Metadata(metadata(room, 2, Some(vec![1]), 1)));
+        self.ev(PrefillEvent::Chunk {
+            room,
+            chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![src_page]).last(),
+        })
+    }
+
     fn open(&mut self, room: Room) {
         self.ev(PrefillEvent::SenderCreated { room });
         self.ev(PrefillEvent::SenderInit {
@@ -298,13 +310,7 @@ fn failed_session_mark_expires() {
     };
     let mut h = Harness::new(cfg);
     let r = room(3);
-    h.ev(PrefillEvent::Register(registration(2, 1)));
-    h.open(r);
-    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
-    let a = h.ev(PrefillEvent::Chunk {
-        room: r,
-        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
-    });
+    let a = h.one_page_room(r, 1);
     h.ev(PrefillEvent::BatchDone {
         batch_id: batches(&a)[0].0,
         result: Err("x".into()),
@@ -565,13 +571,7 @@ fn aux_rows_over_tcp() {
     };
     let mut h = Harness::new(cfg);
     let r = room(81);
-    h.ev(PrefillEvent::Register(registration(2, 1)));
-    h.open(r);
-    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
-    let a = h.ev(PrefillEvent::Chunk {
-        room: r,
-        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![4]).last(),
-    });
+    let a = h.one_page_room(r, 4);
     assert!(matches!(a[0], PrefillAction::FillRoomRow { .. }));
     let rows: Vec<(usize, u64, u64, u64)> = a
         .iter()
@@ -612,13 +612,7 @@ fn aux_rows_over_tcp_past_the_address_space_fail_the_room() {
     let mut h = Harness::new(cfg);
     h.mgr = PrefillManager::new(h.mgr.config().clone(), mem);
     let r = room(82);
-    h.ev(PrefillEvent::Register(registration(2, 1)));
-    h.open(r);
-    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
-    let a = h.ev(PrefillEvent::Chunk {
-        room: r,
-        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![4]).last(),
-    });
+    let a = h.one_page_room(r, 4);
     assert!(
         !a.iter()
             .any(|x| matches!(x, PrefillAction::SendAuxData { .. }))
