@@ -65,6 +65,9 @@ pub struct DecodeConfig {
     pub zmq_send_timeout: Duration,
     /// Seed for rooms and pages.
     pub seed: u64,
+    /// Rooms `base, base+1, …` instead of random ones (as a router would hand them to both
+    /// sides).
+    pub room_base: Option<u64>,
     /// Draw a progress bar.
     pub progress: bool,
 }
@@ -420,10 +423,16 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(cfg.requests);
     for _ in 0..cfg.requests {
-        let room = loop {
-            if let Some(r) = Room::new(rng.random_range(1..=Room::MAX)) {
-                break r;
-            }
+        let given = cfg
+            .room_base
+            .and_then(|b| Room::new(b.wrapping_add(tasks.len() as u64)));
+        let room = match given {
+            Some(r) => r,
+            None => loop {
+                if let Some(r) = Room::new(rng.random_range(1..=Room::MAX)) {
+                    break r;
+                }
+            },
         };
         let tokens =
             rng.random_range(cfg.prompt_tokens.0..=cfg.prompt_tokens.1.max(cfg.prompt_tokens.0));

@@ -75,6 +75,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             heartbeat_max_failure: 2,
             zmq_send_timeout: Duration::from_secs(1),
             seed: 0xdec0de,
+            room_base: None,
             progress: true,
         };
         let summary = decode::run(cfg).await?;

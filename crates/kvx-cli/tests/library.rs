@@ -1,0 +1,124 @@
+//! The prefill engine embedded as a library: the embedder opens rooms before the decode's
+//! metadata arrives, initialises them once ready, writes its KV and hands chunks over, exactly as
+//! a serving engine's forward pass would; an in-process decode peer verifies every byte.
+
+use std::time::{Duration, Instant};
+
+use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
+use kvx_cli::config::ModelArgs;
+use kvx_cli::decode::{self, DecodeConfig};
+use kvx_cli::engine::{PrefillConfig, PrefillEngine};
+use kvx_cli::forward::SyntheticModel;
+use kvx_cli::model::ModelPreset;
+use kvx_cli::pages::PageAllocator;
+use kvx_cli::prefill_cmd::{prefill_memory, rank_registration};
+use kvx_core::{Chunk, KVPoll, PageSlice, Room};
+
+#[test]
+fn embedded_sender_serves_a_decode() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, 256);
+    let mem = prefill_memory(&layout);
+    let server = rt
+        .block_on(BootstrapServer::bind(
+            ("127.0.0.1", 0),
+            ServerConfig::default(),
+        ))
+        .unwrap();
+    let port = server.local_addr().port();
+    let cfg = PrefillConfig {
+        bootstrap_port: port,
+        total_kv_heads: layout.total_kv_heads,
+        ..PrefillConfig::default()
+    };
+    let engine = PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).unwrap();
+    let model_args = ModelArgs {
+        model: ModelPreset::Tiny,
+        tp_size: 1,
+        tp_rank: 0,
+        page_size: 16,
+        pool_pages: 256,
+        kv_cache_dtype: "auto".into(),
+    };
+    let reg = rank_registration(&model_args, "127.0.0.1", engine.endpoint().port);
+    let client = BootstrapClient::new("127.0.0.1", port).unwrap();
+    rt.block_on(client.register_rank(&reg, &RetryPolicy::immediate(3, Duration::from_secs(5))))
+        .unwrap();
+
+    // The router hands rooms 1000..1006 to both sides; the prefill's requests exist first.
+    let rooms: Vec<Room> = (1000..1006).map(|r| Room::new(r).unwrap()).collect();
+    for &r in &rooms {
+        engine.open_room(r).unwrap();
+        assert_eq!(engine.poll(r), Some(KVPoll::Bootstrapping));
+    }
+    let dcfg = DecodeConfig {
+        bootstrap_host: "127.0.0.1".into(),
+        bootstrap_port: port,
+        host: "127.0.0.1".into(),
+        layout: layout.clone(),
+        tp_size: 1,
+        tp_rank: 0,
+        kv_cache_dtype: "auto".into(),
+        requests: rooms.len(),
+        prompt_tokens: (100, 100),
+        concurrency: rooms.len(),
+        fragmentation: 0.5,
+        waiting_timeout: Duration::from_secs(60),
+        heartbeat_interval: Duration::from_secs(5),
+        heartbeat_max_failure: 2,
+        zmq_send_timeout: Duration::from_secs(1),
+        seed: 7,
+        room_base: Some(1000),
+        progress: false,
+    };
+    let decode = rt.spawn(decode::run(dcfg));
+
+    // The forward pass: once a room's metadata is complete, write its KV and send it in chunks.
+    let model = SyntheticModel {
+        layout: layout.clone(),
+        kv: mem.kv.clone(),
+        aux: mem.aux.clone(),
+        chunk_pages: 2,
+        pages: PageAllocator::new(256, 0.5, 1),
+    };
+    let mut pages = PageAllocator::new(256, 0.5, 1);
+    let mut pending = rooms.clone();
+    let t0 = Instant::now();
+    while !pending.is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "hang guard");
+        pending.retain(|&room| {
+            if engine.poll(room) != Some(KVPoll::WaitingForInput) {
+                return true;
+            }
+            let n = layout.pages_for(100) as usize;
+            let src = pages.alloc(n).unwrap();
+            let row = room.get() - 1000;
+            model.fill(room, &src, row);
+            engine.init_room(room, n, row).unwrap();
+            for start in (0..n).step_by(2) {
+                let end = (start + 2).min(n);
+                let mut c = Chunk::new(
+                    PageSlice::new(start, end).unwrap(),
+                    src[start..end].to_vec(),
+                );
+                if end == n {
+                    c = c.last();
+                }
+                engine.send(room, c).unwrap();
+            }
+            false
+        });
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let summary = rt.block_on(decode).unwrap().unwrap();
+    assert_eq!(summary.verified, rooms.len(), "{summary:?}");
+    assert_eq!(summary.failed, 0);
+    // Every room concluded and drained: nothing per-room is left on the prefill.
+    let t0 = Instant::now();
+    while engine.live_rooms() > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "hang guard");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    engine.shutdown();
+    drop(server);
+}
