@@ -175,6 +175,9 @@ pub struct DecodeArgs {
     /// Seed for room ids and page placement (random when absent).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Use rooms N, N+1, … instead of random ones (as a router hands them to both sides).
+    #[arg(long)]
+    pub room_base: Option<u64>,
     /// Write a JSON summary (counts of succeeded/failed/verified rooms, bytes, latencies) here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,

@@ -69,7 +69,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         heartbeat_max_failure: a.heartbeat_max_failure,
         zmq_send_timeout: Duration::from_secs_f64(a.zmq_send_timeout.max(0.0)),
         seed: a.seed.unwrap_or_else(rand::random),
-        room_base: None,
+        room_base: a.room_base,
         progress: !a.no_progress,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
