@@ -9,7 +9,15 @@ use anyhow::{Result, bail};
 use crate::run;
 
 /// Debian packages the build and tests need (cmake and clang build the verbs bindings).
-const APT_PACKAGES: &[&str] = &["cmake", "clang", "libclang-dev", "iproute2", "python3-venv"];
+/// iproute2 and nftables build the network-namespace hosts of `cargo xtask integration`.
+const APT_PACKAGES: &[&str] = &[
+    "cmake",
+    "clang",
+    "libclang-dev",
+    "iproute2",
+    "nftables",
+    "python3-venv",
+];
 
 /// Python packages for the interop peers.
 const PY_PACKAGES: &[&str] = &["pyzmq", "requests"];
