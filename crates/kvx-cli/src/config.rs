@@ -225,6 +225,9 @@ pub struct DemoArgs {
     /// Write the decode's JSON summary here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
+    /// Data-plane backend (`local`: memcpy between the two sides of this process).
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub backend: crate::plane::Backend,
 }
 
 /// Flags of `kvx send`.

@@ -70,6 +70,8 @@ pub struct DecodeConfig {
     pub room_base: Option<u64>,
     /// Draw a progress bar.
     pub progress: bool,
+    /// Data-plane backend.
+    pub backend: crate::plane::Backend,
 }
 
 /// What a decode run did.
@@ -358,9 +360,15 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let layout = cfg.layout.clone();
     let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
     let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
-    let plane = DataPlane::tcp_server(&format!("{}:0", cfg.host), 1, vec![kv.clone(), aux.clone()])
-        .await
-        .context("binding the data plane")?;
+    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
+    let plane = DataPlane::server(
+        cfg.backend,
+        &format!("{}:0", cfg.host),
+        &name,
+        vec![kv.clone(), aux.clone()],
+    )
+    .await
+    .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
     let ctx = zmq::Context::new();
     let inbox = ctx.socket(zmq::PULL)?;

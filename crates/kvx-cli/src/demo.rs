@@ -51,7 +51,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             backend: "tcp".into(),
             connections: 2,
         };
-        let engine = start_rank(&pargs, tokio::runtime::Handle::current())?;
+        let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
         let client = BootstrapClient::new("127.0.0.1", port)?;
         let reg = rank_registration(&m, &engine.endpoint().host, engine.endpoint().port);
         client
@@ -77,6 +77,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             seed: 0xdec0de,
             room_base: None,
             progress: true,
+            backend: args.backend,
         };
         let summary = decode::run(cfg).await?;
         let fatal = engine.wait_fatal(Duration::ZERO);

@@ -81,6 +81,8 @@ pub struct PrefillConfig {
     pub connections: usize,
     /// Tokens per KV page.
     pub page_size: u32,
+    /// Data-plane backend.
+    pub backend: crate::plane::Backend,
 }
 
 impl Default for PrefillConfig {
@@ -102,6 +104,7 @@ impl Default for PrefillConfig {
             connect_timeout: Duration::from_secs(10),
             connections: 2,
             page_size: 16,
+            backend: crate::plane::Backend::Tcp,
         }
     }
 }
@@ -397,7 +400,13 @@ impl PrefillEngine {
         mem: PrefillMemory,
         rt: tokio::runtime::Handle,
     ) -> Result<PrefillEngine, EngineError> {
-        let plane = DataPlane::tcp_client(cfg.connections, vec![mem.kv.clone(), mem.aux.clone()])?;
+        let name = format!("kvx-prefill-{}-{}", std::process::id(), cfg.tp_rank);
+        let plane = DataPlane::client(
+            cfg.backend,
+            &name,
+            cfg.connections,
+            vec![mem.kv.clone(), mem.aux.clone()],
+        )?;
         let ctx = zmq::Context::new();
         let inbox = ctx.socket(zmq::PULL)?;
         inbox.set_rcvhwm(0)?;

@@ -71,6 +71,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         seed: a.seed.unwrap_or_else(rand::random),
         room_base: a.room_base,
         progress: !a.no_progress,
+        backend: kvx_cli::plane::Backend::Tcp,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use kvx_rdma::{RegionKey, Session, TcpConfig, TcpTransport, Transport, TransportError};
+use kvx_rdma::{
+    LocalTransport, RegionKey, Session, TcpConfig, TcpTransport, Transport, TransportError,
+};
 
 use crate::region::Region;
 
@@ -26,6 +28,16 @@ impl std::fmt::Debug for DataPlane {
             .field("endpoint", &self.transport.endpoint())
             .finish()
     }
+}
+
+/// Which `kvx-rdma` backend a plane uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// kvx's framed TCP protocol (any two hosts).
+    #[default]
+    Tcp,
+    /// memcpy into the peer's memory (both sides in one process).
+    Local,
 }
 
 /// The tcp backend's settings for `connections` connections per peer.
@@ -87,6 +99,32 @@ impl DataPlane {
         match &self.tcp {
             Some(t) => Ok(Arc::new(t.open_session(peer).await?)),
             None => self.transport.connect(peer).await,
+        }
+    }
+
+    /// A sending plane on `backend` (`name` names a local transport).
+    pub fn client(
+        backend: Backend,
+        name: &str,
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        match backend {
+            Backend::Tcp => DataPlane::tcp_client(connections, regions),
+            Backend::Local => DataPlane::new(LocalTransport::new(name)?, regions),
+        }
+    }
+
+    /// A receiving plane on `backend`: tcp listens on `addr`; local publishes `name`.
+    pub async fn server(
+        backend: Backend,
+        addr: &str,
+        name: &str,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        match backend {
+            Backend::Tcp => DataPlane::tcp_server(addr, 1, regions).await,
+            Backend::Local => DataPlane::new(LocalTransport::new(name)?, regions),
         }
     }
 

@@ -64,7 +64,11 @@ pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration
 }
 
 /// Starts a prefill rank with its synthetic forward pass on its own thread.
-pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<PrefillEngine>> {
+pub fn start_rank(
+    args: &PrefillArgs,
+    backend: crate::plane::Backend,
+    rt: tokio::runtime::Handle,
+) -> Result<Arc<PrefillEngine>> {
     let m = &args.model;
     let layout = m
         .model
@@ -87,6 +91,7 @@ pub fn start_rank(args: &PrefillArgs, rt: tokio::runtime::Handle) -> Result<Arc<
         connect_timeout: Duration::from_secs(5),
         connections: args.connections.max(1),
         page_size: u32::try_from(m.page_size).unwrap_or(u32::MAX),
+        backend,
     };
     let model = SyntheticModel {
         layout,
@@ -114,7 +119,7 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let engine = start_rank(&args, rt.handle().clone())?;
+    let engine = start_rank(&args, crate::plane::Backend::Tcp, rt.handle().clone())?;
     let _server = rt.block_on(async {
         let server = if args.serve_bootstrap {
             let s = BootstrapServer::bind_with(

@@ -70,6 +70,7 @@ fn embedded_sender_serves_a_decode() {
         seed: 7,
         room_base: Some(1000),
         progress: false,
+        backend: kvx_cli::plane::Backend::Tcp,
     };
     let decode = rt.spawn(decode::run(dcfg));
 
