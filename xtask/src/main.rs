@@ -2,7 +2,8 @@
 //!
 //! - `cargo xtask test`: installs what the tests need when it is missing (Debian packages, the
 //!   Python venv for the interop peers), then runs `cargo fmt --check`, clippy with `-D warnings`,
-//!   every test of the workspace (nextest when present, doc tests too).
+//!   every test of the workspace (nextest when present, doc tests too), then the short profile of
+//!   `cargo xtask integration`.
 //! - `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target for a bounded time.
 //! - `cargo xtask bench [transport|e2e]`: the benchmarks anyone can rerun, and whole rooms end to
 //!   end; writes `target/kvx-report/report.md`.
@@ -158,6 +159,17 @@ fn test(root: &Path) -> Result<()> {
     run(cargo()
         .env("PATH", &path)
         .args(["test", "--workspace", "--all-features", "--doc"]))?;
+    // The short profile of the multi-process fault scenarios (a few minutes on 2 cores).
+    integration::run(
+        root,
+        &integration::Opts {
+            profile: integration::Profile::Short,
+            scenario: Vec::new(),
+            kvx: None,
+            loopback: false,
+            list: false,
+        },
+    )?;
     eprintln!("xtask: all tests passed");
     Ok(())
 }
