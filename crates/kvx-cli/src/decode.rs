@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use kvx_bootstrap::http::{BootstrapClient, RouteQuery};
+use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, Outbox, PushOptions, zmq};
 use kvx_core::{
     DecodeRegistration, Destination, Endpoint, KVPoll, Room, SessionId, TransferRequest,
 };
@@ -24,6 +25,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore, oneshot};
 
+use crate::engine::count_dropped;
 use crate::model::{self, KvLayout};
 use crate::pages::PageAllocator;
 use crate::plane::DataPlane;
@@ -125,12 +127,14 @@ struct Peer {
     rows: Mutex<Vec<u64>>,
     freed: Notify,
     waiters: Mutex<HashMap<Room, Waiter>>,
-    push: Mutex<HashMap<Endpoint, zmq::Socket>>,
-    ctx: zmq::Context,
+    outbox: Outbox,
     dead: AtomicBool,
     stop: AtomicBool,
     bytes: AtomicU64,
 }
+
+/// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
+const PREFILL_SOCKETS: usize = 1024;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -145,7 +149,7 @@ impl Peer {
         }
     }
 
-    fn on_message(&self, frames: &[Vec<u8>]) {
+    fn on_message<F: AsRef<[u8]>>(&self, frames: &[F]) {
         match wire::parse_decode_inbound(frames) {
             Ok(DecodeInbound::Status {
                 room,
@@ -188,23 +192,12 @@ impl Peer {
         }
     }
 
-    fn send(&self, ep: &Endpoint, frames: Vec<Vec<u8>>) -> Result<()> {
-        let mut push = lock(&self.push);
-        if !push.contains_key(ep) {
-            let s = self.ctx.socket(zmq::PUSH)?;
-            s.set_linger(0)?;
-            s.set_sndtimeo(self.cfg.zmq_send_timeout.as_millis().min(i32::MAX as u128) as i32)?;
-            if ep.is_ipv6() {
-                s.set_ipv6(true)?;
-            }
-            s.connect(&ep.zmq_addr())?;
-            push.insert(ep.clone(), s);
-        }
-        if let Some(s) = push.get(ep) {
-            s.send_multipart(frames, 0)
-                .with_context(|| format!("sending to prefill {ep}"))?;
-        }
-        Ok(())
+    /// Sends one message to a prefill rank's inbox, in order after every earlier one.
+    async fn send(&self, ep: &Endpoint, frames: Vec<Vec<u8>>) -> Result<()> {
+        self.outbox
+            .send(ep.clone(), frames)
+            .await
+            .with_context(|| format!("sending to prefill {ep}"))
     }
 
     fn registration(&self, dst_tp_rank: u32) -> DecodeRegistration {
@@ -344,7 +337,7 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
         let ri = client.rank_info(q).await.context("per-rank route query")?;
         let endpoint = Endpoint::new(ri.rank_ip, ri.rank_port);
         let reg = wire::encode_registration(&peer.registration(r))?;
-        peer.send(&endpoint, reg)?;
+        peer.send(&endpoint, reg).await?;
         targets.push(Target { endpoint, dummy });
     }
     Ok(Topology {
@@ -371,19 +364,15 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
     let ctx = zmq::Context::new();
-    let inbox = ctx.socket(zmq::PULL)?;
-    inbox.set_rcvhwm(0)?;
-    inbox.set_rcvtimeo(100)?;
-    inbox.bind(&format!("tcp://{}:*", cfg.host))?;
-    let bound = inbox
-        .get_last_endpoint()?
-        .map_err(|_| anyhow::anyhow!("inbox endpoint unreadable"))?;
-    let port: u16 = bound
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .context("inbox port")?;
-    let me = Endpoint::new(cfg.host.clone(), port);
+    let mut inbox = Inbox::bind(&ctx, InboxConfig::new(cfg.host.clone(), InboxKind::Decode))
+        .context("binding the decode inbox")?;
+    let outbox = Outbox::new(
+        &ctx,
+        PushOptions::toward_prefill().with_send_timeout(cfg.zmq_send_timeout),
+        PREFILL_SOCKETS,
+    )
+    .context("starting the decode outbox")?;
+    let me = inbox.endpoint().clone();
     let peer = Arc::new(Peer {
         me,
         session,
@@ -395,8 +384,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         rows: Mutex::new((0..layout.aux_rows).rev().collect()),
         freed: Notify::new(),
         waiters: Mutex::new(HashMap::new()),
-        push: Mutex::new(HashMap::new()),
-        ctx,
+        outbox,
         dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
@@ -405,20 +393,21 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         cfg,
     });
     let p = peer.clone();
-    std::thread::Builder::new()
-        .name("kvx-decode-inbox".into())
-        .spawn(move || {
-            while !p.stop.load(Ordering::Relaxed) {
-                match inbox.recv_multipart(0) {
-                    Ok(frames) => p.on_message(&frames),
-                    Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {}
-                    Err(e) => {
-                        tracing::error!(error = %e, "decode inbox receive failed");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
+    tokio::spawn(async move {
+        // Malformed messages are dropped by the inbox; their count is mirrored here.
+        let mut dropped = 0;
+        while !p.stop.load(Ordering::Relaxed) {
+            let next = tokio::time::timeout(Duration::from_millis(100), inbox.recv()).await;
+            count_dropped(&inbox, &mut dropped, "kvx_decode_malformed_frames_total");
+            match next {
+                Ok(Some(msg)) => p.on_message(msg.frames()),
+                Ok(None) => break,
+                Err(_) => {}
             }
-        })?;
+        }
+        // Joining the socket thread waits for its poll interval: off the runtime's workers.
+        let _ = tokio::task::spawn_blocking(move || inbox.close()).await;
+    });
 
     let cfg = &peer.cfg;
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
@@ -600,9 +589,10 @@ async fn one_request(
             decode_prefix_len: Some(0),
             device_kv_pages: vec![],
         };
-        let sent = wire::encode_metadata(&req)
-            .map_err(anyhow::Error::from)
-            .and_then(|f| peer.send(&t.endpoint, f));
+        let sent = match wire::encode_metadata(&req) {
+            Ok(f) => peer.send(&t.endpoint, f).await,
+            Err(e) => Err(e.into()),
+        };
         if let Err(e) = sent {
             peer.finish(room, Err(format!("metadata not sent: {e:#}")));
         }
@@ -614,7 +604,9 @@ async fn one_request(
         Err(_) => {
             lock(&peer.waiters).remove(&room);
             for t in &topo.targets {
-                let _ = peer.send(&t.endpoint, wire::encode_abort(room, &peer.me));
+                let _ = peer
+                    .send(&t.endpoint, wire::encode_abort(room, &peer.me))
+                    .await;
             }
             Err(format!(
                 "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",

@@ -36,6 +36,9 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvx_bootstrap::sockets::{
+    Inbox, InboxConfig, InboxKind, PushCache, PushOptions, SocketError, zmq,
+};
 use kvx_core::prefill::{LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager};
 use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room};
 
@@ -196,9 +199,9 @@ pub enum EngineEvent {
 /// Why the engine did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// A ZMQ call failed.
-    #[error("zmq: {0}")]
-    Zmq(#[from] zmq::Error),
+    /// The inbox could not be bound.
+    #[error("inbox: {0}")]
+    Socket(#[from] SocketError),
     /// A thread could not be spawned.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -211,9 +214,6 @@ pub enum EngineError {
     /// The aux layout is unusable.
     #[error("aux layout: {0}")]
     Layout(#[from] kvx_core::LayoutError),
-    /// The bound endpoint could not be read back.
-    #[error("cannot read the bound inbox endpoint")]
-    Endpoint,
 }
 
 pub(crate) enum Notice {
@@ -408,32 +408,14 @@ impl PrefillEngine {
             vec![mem.kv.clone(), mem.aux.clone()],
         )?;
         let ctx = zmq::Context::new();
-        let inbox = ctx.socket(zmq::PULL)?;
-        inbox.set_rcvhwm(0)?;
-        inbox.set_rcvtimeo(100)?;
-        if cfg.host.contains(':') {
-            inbox.set_ipv6(true)?;
-        }
-        let host = if cfg.host.contains(':') {
-            format!("[{}]", cfg.host)
-        } else {
-            cfg.host.clone()
-        };
-        let port = if cfg.inbox_port == 0 {
-            "*".to_owned()
-        } else {
-            cfg.inbox_port.to_string()
-        };
-        inbox.bind(&format!("tcp://{host}:{port}"))?;
-        let bound = inbox
-            .get_last_endpoint()?
-            .map_err(|_| EngineError::Endpoint)?;
-        let port: u16 = bound
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .ok_or(EngineError::Endpoint)?;
-        let endpoint = Endpoint::new(cfg.host.clone(), port);
+        let inbox = Inbox::bind(
+            &ctx,
+            InboxConfig {
+                port: (cfg.inbox_port != 0).then_some(cfg.inbox_port),
+                ..InboxConfig::new(cfg.host.clone(), InboxKind::Prefill)
+            },
+        )?;
+        let endpoint = inbox.endpoint().clone();
 
         let (notice_tx, notice_rx) = std::sync::mpsc::channel();
         let (events_tx, events_rx) = std::sync::mpsc::channel();
@@ -483,9 +465,12 @@ impl PrefillEngine {
             .name("kvx-notifier".into())
             .spawn(move || notifier(notifier_ctx, notice_rx))?;
         let s = shared.clone();
+        let clock = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
         std::thread::Builder::new()
             .name("kvx-inbox".into())
-            .spawn(move || inbox_loop(&s, inbox))?;
+            .spawn(move || inbox_loop(&s, inbox, &clock))?;
         let s = shared.clone();
         std::thread::Builder::new()
             .name("kvx-timer".into())
@@ -587,14 +572,37 @@ impl Drop for PrefillEngine {
 
 /// Sockets toward decodes idle this long are closed (a departed decode leaves nothing behind).
 const SOCKET_IDLE: Duration = Duration::from_secs(2);
+/// Most decode inboxes the notifier keeps a socket open to (least recently used closed first).
+const NOTIFIER_SOCKETS: usize = 1024;
 
+/// Options of the notifier's sockets: sglang's prefill-to-decode options (no reconnect, keepalive,
+/// disconnect monitor), except that a send never waits (a decode that cannot take a status right
+/// now loses it, counted, instead of holding up every other decode's) and a socket closed while
+/// idle gets a second to flush what it still holds.
+fn notifier_options() -> PushOptions {
+    PushOptions {
+        linger: Duration::from_secs(1),
+        ..PushOptions::toward_decode().with_send_timeout(Duration::ZERO)
+    }
+}
+
+/// Sends every notice in order through one PUSH socket cache; closes sockets idle for
+/// [`SOCKET_IDLE`] and those whose decode disconnected.
 fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
-    let mut sockets: HashMap<Endpoint, (zmq::Socket, Instant)> = HashMap::new();
+    let mut cache = PushCache::new(&ctx, notifier_options(), NOTIFIER_SOCKETS);
+    let mut used: HashMap<Endpoint, Instant> = HashMap::new();
     loop {
         let n = match rx.recv_timeout(Duration::from_millis(500)) {
             Ok(n) => n,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                sockets.retain(|_, (_, used)| used.elapsed() < SOCKET_IDLE);
+                used.retain(|ep, t| {
+                    let keep = t.elapsed() < SOCKET_IDLE;
+                    if !keep {
+                        cache.disconnect(ep);
+                    }
+                    keep
+                });
+                cache.reap_disconnected();
                 continue;
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
@@ -604,19 +612,8 @@ fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
                 let _ = done.send(());
             }
             Notice::Send(ep, frames) => {
-                let entry = match sockets.entry(ep.clone()) {
-                    std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                    std::collections::hash_map::Entry::Vacant(v) => match push_socket(&ctx, &ep) {
-                        Ok(s) => v.insert((s, Instant::now())),
-                        Err(e) => {
-                            metrics::counter!("kvx_notice_failures_total").increment(1);
-                            tracing::warn!(%ep, error = %e, "cannot connect to decode inbox");
-                            continue;
-                        }
-                    },
-                };
-                entry.1 = Instant::now();
-                if let Err(e) = entry.0.send_multipart(frames, zmq::DONTWAIT) {
+                used.insert(ep.clone(), Instant::now());
+                if let Err(e) = cache.send(&ep, &frames) {
                     metrics::counter!("kvx_notice_failures_total").increment(1);
                     tracing::warn!(%ep, error = %e, "status message dropped");
                 }
@@ -625,38 +622,43 @@ fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
     }
 }
 
-/// A PUSH socket toward a decode inbox (sglang's options, minus blocking sends).
-pub(crate) fn push_socket(ctx: &zmq::Context, ep: &Endpoint) -> Result<zmq::Socket, zmq::Error> {
-    let s = ctx.socket(zmq::PUSH)?;
-    s.set_linger(1000)?;
-    s.set_tcp_keepalive(1)?;
-    s.set_tcp_keepalive_idle(30)?;
-    s.set_tcp_keepalive_intvl(5)?;
-    s.set_tcp_keepalive_cnt(3)?;
-    if ep.is_ipv6() {
-        s.set_ipv6(true)?;
+/// Feeds every accepted message of the inbox to the engine until it stops. Malformed messages
+/// never get here: the inbox drops them; their count is mirrored into
+/// `kvx_malformed_frames_total` (with the inbox's reasons in `kvx_bootstrap_inbox_dropped_total`).
+///
+/// `clock` is a small runtime of the thread's own, only for the receive timeout (so the loop
+/// notices a shutdown whatever runtime the embedder passed).
+fn inbox_loop(shared: &Shared, mut inbox: Inbox, clock: &tokio::runtime::Runtime) {
+    let mut dropped = 0;
+    while !shared.stop.load(Ordering::Relaxed) {
+        // The timer is created inside `block_on`, in the clock's context.
+        let next = clock.block_on(async {
+            tokio::time::timeout(Duration::from_millis(100), inbox.recv()).await
+        });
+        count_dropped(&inbox, &mut dropped, "kvx_malformed_frames_total");
+        match next {
+            Ok(Some(msg)) => handle_inbound(shared, msg.frames()),
+            Ok(None) => {
+                tracing::error!("prefill inbox stopped");
+                return;
+            }
+            Err(_) => {}
+        }
     }
-    s.connect(&ep.zmq_addr())?;
-    Ok(s)
+    inbox.close();
 }
 
-fn inbox_loop(shared: &Shared, inbox: zmq::Socket) {
-    while !shared.stop.load(Ordering::Relaxed) {
-        let frames = match inbox.recv_multipart(0) {
-            Ok(f) => f,
-            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
-            Err(e) => {
-                tracing::error!(error = %e, "inbox receive failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        handle_inbound(shared, &frames);
+/// Adds the inbox's newly dropped messages to `counter` (label `kind="inbox"`).
+pub(crate) fn count_dropped(inbox: &Inbox, seen: &mut u64, counter: &'static str) {
+    let now = inbox.stats().dropped();
+    if now > *seen {
+        metrics::counter!(counter, "kind" => "inbox").increment(now - *seen);
+        *seen = now;
     }
 }
 
 /// Dispatches one message from a decode; malformed input is logged, counted and dropped.
-fn handle_inbound(shared: &Shared, frames: &[Vec<u8>]) {
+fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
     let msg = match wire::parse_prefill_inbound(frames) {
         Ok(m) => m,
         Err(e) => {

@@ -28,7 +28,7 @@ pub enum PrefillInbound {
 }
 
 /// Parses a message received on a prefill inbox.
-pub fn parse_prefill_inbound(frames: &[Vec<u8>]) -> Result<PrefillInbound, WireError> {
+pub fn parse_prefill_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<PrefillInbound, WireError> {
     Ok(match codec::PrefillInbound::parse(frames)? {
         codec::PrefillInbound::Registration(r) => PrefillInbound::Registration(r),
         codec::PrefillInbound::Metadata(m) => PrefillInbound::Metadata(Box::new(m.to_request())),
@@ -101,7 +101,7 @@ pub enum DecodeInbound {
 }
 
 /// Parses a message received on a decode inbox.
-pub fn parse_decode_inbound(frames: &[Vec<u8>]) -> Result<DecodeInbound, WireError> {
+pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInbound, WireError> {
     Ok(match codec::DecodeInbound::parse(frames)? {
         codec::DecodeInbound::Status(s) => DecodeInbound::Status {
             room: s.room,

@@ -3,6 +3,7 @@
 
 mod common;
 
+use kvx_bootstrap::sockets::zmq;
 use std::time::Duration;
 
 use common::*;
