@@ -5,11 +5,13 @@
 //! socket), then per request: pages allocated (fragmented), metadata to every target rank, and
 //! Success once `required_prefill_response_num` distinct ranks answered 4. A waiting timeout fails
 //! the room and sends `ABORT`; `/health` heartbeats fail every open room after
-//! `max_failure` misses. Its destination memory is registered with a data-plane server whose
+//! `max_failure` misses. Room state lives in `kvx-core`'s [`DecodeManager`]: this driver feeds it
+//! statuses, ticks and heartbeat loss, sends the `ABORT`s it asks for and hands each concluded
+//! room's outcome to the task waiting on it. Its destination memory is registered with a data-plane server whose
 //! `ip:port` is the session id it sends. Every byte of a successful room is checked against the
 //! pattern before its pages are reused.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use kvx_bootstrap::http::{BootstrapClient, RouteQuery};
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, Outbox, PushOptions, zmq};
+use kvx_core::decode::{DecodeAction, DecodeEvent, DecodeManager};
 use kvx_core::{
     DecodeRegistration, Destination, Endpoint, KVPoll, Room, SessionId, TransferRequest,
 };
@@ -106,12 +109,6 @@ pub struct Summary {
 /// One room's outcome as reported by the prefill ranks.
 type Outcome = Result<(), String>;
 
-struct Waiter {
-    ranks: HashSet<u32>,
-    required: usize,
-    tx: Option<oneshot::Sender<Outcome>>,
-}
-
 struct Target {
     endpoint: Endpoint,
     dummy: bool,
@@ -126,7 +123,12 @@ struct Peer {
     pages: Mutex<PageAllocator>,
     rows: Mutex<Vec<u64>>,
     freed: Notify,
-    waiters: Mutex<HashMap<Room, Waiter>>,
+    /// Room state: `kvx-core`'s decode manager (statuses, waiting timeout, heartbeat loss).
+    rooms: Mutex<DecodeManager>,
+    /// The task of each held room, told its outcome when the manager concludes the room.
+    waiters: Mutex<HashMap<Room, oneshot::Sender<Outcome>>>,
+    /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
+    bootstrap_addr: String,
     outbox: Outbox,
     dead: AtomicBool,
     stop: AtomicBool,
@@ -142,44 +144,72 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Peer {
     fn finish(&self, room: Room, outcome: Outcome) {
-        if let Some(mut w) = lock(&self.waiters).remove(&room)
-            && let Some(tx) = w.tx.take()
-        {
+        if let Some(tx) = lock(&self.waiters).remove(&room) {
             let _ = tx.send(outcome);
         }
     }
 
-    fn on_message<F: AsRef<[u8]>>(&self, frames: &[F]) {
+    /// Feeds one event to the room manager, tells the tasks of concluded rooms their outcome
+    /// (`reason`, when given, replaces the manager's failure reason) and returns the `ABORT`s
+    /// to send.
+    #[must_use]
+    fn handle(&self, event: DecodeEvent, reason: Option<&str>) -> Vec<(Room, Endpoint)> {
+        let mut out = Vec::new();
+        let r = lock(&self.rooms).handle(Instant::now(), event, &mut out);
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "decode event dropped");
+        }
+        let mut aborts = Vec::new();
+        for a in out {
+            match a {
+                DecodeAction::SendAbort { room, endpoint } => aborts.push((room, endpoint)),
+                DecodeAction::Concluded {
+                    room,
+                    status: KVPoll::Success,
+                    ..
+                } => {
+                    self.finish(room, Ok(()));
+                }
+                DecodeAction::Concluded {
+                    room, reason: why, ..
+                } => {
+                    let why = match (reason, why) {
+                        (Some(r), _) => r.to_owned(),
+                        (None, Some(w)) => w.to_string(),
+                        (None, None) => "failed".to_owned(),
+                    };
+                    self.finish(room, Err(why));
+                }
+            }
+        }
+        aborts
+    }
+
+    /// Sends `[ABORT, room, ip, port]` to each prefill inbox (failures are logged and counted
+    /// by the outbox).
+    async fn send_aborts(&self, aborts: Vec<(Room, Endpoint)>) {
+        for (room, ep) in aborts {
+            let _ = self.send(&ep, wire::encode_abort(room, &self.me)).await;
+        }
+    }
+
+    async fn on_message<F: AsRef<[u8]>>(&self, frames: &[F]) {
         match wire::parse_decode_inbound(frames) {
             Ok(DecodeInbound::Status {
                 room,
                 status,
                 rank,
                 reason,
-            }) => match status {
-                KVPoll::Success => {
-                    let done = {
-                        let mut w = lock(&self.waiters);
-                        match w.get_mut(&room) {
-                            Some(x) => {
-                                x.ranks.insert(rank);
-                                x.ranks.len() >= x.required
-                            }
-                            None => false,
-                        }
-                    };
-                    if done {
-                        self.finish(room, Ok(()));
-                    }
-                }
-                KVPoll::Failed => self.finish(
+            }) => {
+                let event = DecodeEvent::Status {
                     room,
-                    Err(reason.unwrap_or_else(|| {
-                        "Failed to get kvcache from prefill instance, it might be dead".into()
-                    })),
-                ),
-                other => tracing::debug!(%room, %other, "status ignored"),
-            },
+                    status,
+                    prefill_rank: rank,
+                    reason,
+                };
+                let aborts = self.handle(event, None);
+                self.send_aborts(aborts).await;
+            }
             Ok(DecodeInbound::AbortAck(room)) => tracing::debug!(%room, "abort acknowledged"),
             Ok(DecodeInbound::Other(kind)) => {
                 metrics::counter!("kvx_decode_ignored_messages_total", "kind" => kind).increment(1)
@@ -383,7 +413,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         )),
         rows: Mutex::new((0..layout.aux_rows).rev().collect()),
         freed: Notify::new(),
+        rooms: Mutex::new(DecodeManager::new(kvx_core::decode::DecodeConfig {
+            waiting_timeout: cfg.waiting_timeout,
+        })),
         waiters: Mutex::new(HashMap::new()),
+        bootstrap_addr: format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port),
         outbox,
         dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
@@ -400,7 +434,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             let next = tokio::time::timeout(Duration::from_millis(100), inbox.recv()).await;
             count_dropped(&inbox, &mut dropped, "kvx_decode_malformed_frames_total");
             match next {
-                Ok(Some(msg)) => p.on_message(msg.frames()),
+                Ok(Some(msg)) => p.on_message(msg.frames()).await,
                 Ok(None) => break,
                 Err(_) => {}
             }
@@ -413,6 +447,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
     let topo = Arc::new(connect_prefill(&peer, &client, 15).await?);
     let hb = tokio::spawn(heartbeat(peer.clone(), client.clone()));
+    let ticker = tokio::spawn(ticker(peer.clone()));
 
     let bar = progress_bar(cfg.progress, cfg.requests as u64);
     let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
@@ -471,6 +506,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         b.finish_and_clear();
     }
     hb.abort();
+    ticker.abort();
     peer.stop.store(true, Ordering::Relaxed);
     drop(plane);
     s.seconds = t0.elapsed().as_secs_f64();
@@ -566,14 +602,18 @@ async fn one_request(
         );
     }
     let (tx, rx) = oneshot::channel();
-    lock(&peer.waiters).insert(
+    lock(&peer.waiters).insert(room, tx);
+    let created = DecodeEvent::Created {
         room,
-        Waiter {
-            ranks: HashSet::new(),
-            required: topo.responses,
-            tx: Some(tx),
-        },
-    );
+        bootstrap_addr: peer.bootstrap_addr.clone(),
+    };
+    let init = DecodeEvent::Init {
+        room,
+        required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
+        prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
+    };
+    let aborts = [peer.handle(created, None), peer.handle(init, None)].concat();
+    peer.send_aborts(aborts).await;
     let t0 = Instant::now();
     for t in &topo.targets {
         let req = TransferRequest {
@@ -594,26 +634,17 @@ async fn one_request(
             Err(e) => Err(e.into()),
         };
         if let Err(e) = sent {
-            peer.finish(room, Err(format!("metadata not sent: {e:#}")));
+            let why = format!("metadata not sent: {e:#}");
+            let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+            peer.send_aborts(aborts).await;
+            break;
         }
     }
     let _ = topo.dst_tp_rank;
-    let outcome = match tokio::time::timeout(cfg.waiting_timeout, rx).await {
-        Ok(Ok(o)) => o,
-        Ok(Err(_)) => Err("room dropped".into()),
-        Err(_) => {
-            lock(&peer.waiters).remove(&room);
-            for t in &topo.targets {
-                let _ = peer
-                    .send(&t.endpoint, wire::encode_abort(room, &peer.me))
-                    .await;
-            }
-            Err(format!(
-                "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
-                cfg.waiting_timeout.as_secs_f64()
-            ))
-        }
-    };
+    // The waiting timeout starts once the metadata went out; the ticker enforces it.
+    let aborts = peer.handle(DecodeEvent::MetadataSent { room }, None);
+    peer.send_aborts(aborts).await;
+    let outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
     let latency = t0.elapsed();
     match outcome {
         Ok(()) => {
@@ -660,18 +691,23 @@ async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
                 tracing::warn!(error = %e, failures, "prefill heartbeat failed");
                 if failures >= max {
                     peer.dead.store(true, Ordering::Relaxed);
-                    let rooms: Vec<Room> = lock(&peer.waiters).keys().copied().collect();
-                    for r in rooms {
-                        peer.finish(
-                            r,
-                            Err(format!(
-                                "Lost connection with prefill instance (bootstrap_addr: {})",
-                                client.base_url()
-                            )),
-                        );
-                    }
+                    let lost = DecodeEvent::HeartbeatLost {
+                        bootstrap_addr: peer.bootstrap_addr.clone(),
+                    };
+                    let aborts = peer.handle(lost, None);
+                    peer.send_aborts(aborts).await;
                 }
             }
         }
+    }
+}
+
+/// Gives the room manager the time every 100 ms (waiting timeouts) and sends its `ABORT`s.
+async fn ticker(peer: Arc<Peer>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let aborts = peer.handle(DecodeEvent::Tick, None);
+        peer.send_aborts(aborts).await;
+        metrics::gauge!("kvx_decode_room_entries").set(lock(&peer.rooms).live_entries() as f64);
     }
 }
