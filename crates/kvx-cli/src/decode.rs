@@ -102,6 +102,8 @@ pub struct Summary {
     pub p50_ms: f64,
     /// 99th percentile room latency, ms.
     pub p99_ms: f64,
+    /// Every room's latency (metadata sent → outcome), ms, in request order (the latency CDF).
+    pub latencies_ms: Vec<f64>,
     /// Failure reasons and how many rooms each.
     pub failure_reasons: HashMap<String, usize>,
 }
@@ -512,6 +514,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;
+    s.latencies_ms = lat.clone();
     lat.sort_by(f64::total_cmp);
     s.p50_ms = percentile(&lat, 0.50);
     s.p99_ms = percentile(&lat, 0.99);

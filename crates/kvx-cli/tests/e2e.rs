@@ -43,6 +43,17 @@ fn two_decodes_every_byte_verified() {
         assert_eq!(s["verified"], 12, "{s}");
         assert_eq!(s["failed"], 0);
         assert!(s["bytes"].as_u64().unwrap() > 0);
+        // One latency per room, and the percentiles are taken from them.
+        let lat: Vec<f64> = s["latencies_ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(lat.len(), 12, "{s}");
+        assert!(lat.iter().all(|&l| l >= 0.0));
+        let max = lat.iter().copied().fold(0.0, f64::max);
+        assert_eq!(s["p99_ms"].as_f64().unwrap(), max);
     }
     let stdout = String::from_utf8_lossy(&oa.stdout);
     assert!(
