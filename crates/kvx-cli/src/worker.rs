@@ -192,6 +192,24 @@ fn execute(
     session: &SessionId,
     ops: Vec<TransferOp>,
 ) -> Result<Outcome, WorkerFault> {
+    // Batches queued before their room or session failed are completed without any work: a room
+    // failed meanwhile needs nothing more, and a session already found dead fails the room at
+    // once (sglang's "session is not alive") instead of waiting for a fresh connect attempt
+    // each, so every room queued behind a dead decode fails as soon as the first one does.
+    {
+        let table = lock(&shared.table);
+        if table.poll(room) != Some(KVPoll::WaitingForInput) {
+            return Ok(Outcome::Done);
+        }
+        if table.session_failed(session, Instant::now()) {
+            drop(table);
+            sessions.remove(session);
+            metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
+            return Ok(Outcome::PeerFailed(format!(
+                "Decode instance could be dead, remote session {session} is not alive"
+            )));
+        }
+    }
     fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
         WorkerFault::Injected {
             point: "kvx::transfer_worker::batch",
@@ -205,7 +223,7 @@ fn execute(
         ))
     ));
     if lock(&shared.table).poll(room) != Some(KVPoll::WaitingForInput) {
-        // Failed (or gone) meanwhile: nothing to write, just complete the batch.
+        // Failed (or gone) while the fault points ran: nothing to write.
         return Ok(Outcome::Done);
     }
     let s = match sessions.get_mut(session) {

@@ -1,0 +1,152 @@
+//! A decode session found dead fails every room queued behind it at once: batches already queued
+//! for the same session do not each try a fresh data-plane connect (which, towards a host that
+//! is gone, would cost a connect timeout per batch). A real ZMQ decode inbox and a real TCP
+//! listener stand in for the decode; the listener counts every connect attempt.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvx_cli::engine::{PrefillConfig, PrefillEngine};
+use kvx_cli::model::ModelPreset;
+use kvx_cli::prefill_cmd::prefill_memory;
+use kvx_cli::wire::{self, DecodeInbound};
+use kvx_core::{
+    Chunk, DecodeRegistration, Destination, Endpoint, KVPoll, PageSlice, Room, SessionId,
+    TransferRequest,
+};
+
+fn wait(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "hang guard: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
+    let mem = prefill_memory(&layout);
+    // One queue and one connection per session: the second room's batch waits behind the first.
+    let cfg = PrefillConfig {
+        queues: 1,
+        connections: 1,
+        total_kv_heads: layout.total_kv_heads,
+        ..PrefillConfig::default()
+    };
+    let engine = PrefillEngine::start(cfg, mem, rt.handle().clone()).unwrap();
+
+    // The decode's data plane: holds the first connection open (its handshake waits) until
+    // released, then closes it and every later one at once.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let data_addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(AtomicBool::new(false));
+    let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+    {
+        let (accepted, release, held) = (accepted.clone(), release.clone(), held.clone());
+        std::thread::spawn(move || {
+            for s in listener.incoming().flatten() {
+                accepted.fetch_add(1, Ordering::SeqCst);
+                if !release.load(Ordering::SeqCst) {
+                    held.lock().unwrap().push(s);
+                }
+            }
+        });
+    }
+
+    // The decode's control plane: a real PULL inbox and a PUSH to the prefill.
+    let ctx = zmq::Context::new();
+    let inbox = ctx.socket(zmq::PULL).unwrap();
+    inbox.set_rcvtimeo(100).unwrap();
+    inbox.bind("tcp://127.0.0.1:*").unwrap();
+    let bound = inbox.get_last_endpoint().unwrap().unwrap();
+    let port: u16 = bound.rsplit(':').next().unwrap().parse().unwrap();
+    let me = Endpoint::new("127.0.0.1", port);
+    let push = ctx.socket(zmq::PUSH).unwrap();
+    push.set_linger(0).unwrap();
+    push.connect(&engine.endpoint().zmq_addr()).unwrap();
+    let session = SessionId::new(data_addr.to_string());
+    let base = 0x4000_0000u64;
+    let reg = DecodeRegistration {
+        endpoint: me.clone(),
+        session: session.clone(),
+        kv_ptrs: layout.kv_ptrs(base),
+        aux_ptrs: layout.aux_ptrs(base + layout.pool_bytes()),
+        state_ptrs: vec![],
+        dst_tp_rank: 0,
+        dst_attn_tp_size: 1,
+        dst_kv_item_len: layout.item_len,
+        state_item_lens: vec![],
+        state_dim_per_tensor: vec![],
+        kv_layer_ids: vec![],
+        state_layer_ids: vec![],
+        staging: Default::default(),
+        dcp_size: 1,
+        dcp_rank: 0,
+        staging_slot_layer_ids: None,
+    };
+    push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
+        .unwrap();
+    let rooms = [Room::new(501).unwrap(), Room::new(502).unwrap()];
+    for (i, &room) in rooms.iter().enumerate() {
+        engine.open_room(room).unwrap();
+        let req = TransferRequest {
+            room,
+            endpoint: me.clone(),
+            session: session.clone(),
+            dst: Some(Destination {
+                kv_pages: vec![2 * i as i32, 2 * i as i32 + 1],
+                aux_index: i as i64,
+                state_indices: vec![],
+            }),
+            required_dst_info_num: 1,
+            decode_prefix_len: Some(0),
+            device_kv_pages: vec![],
+        };
+        push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
+            .unwrap();
+    }
+    for &room in &rooms {
+        wait("metadata", || {
+            engine.poll(room) == Some(KVPoll::WaitingForInput)
+        });
+    }
+    let chunk =
+        |first: i32| Chunk::new(PageSlice::new(0, 2).unwrap(), vec![first, first + 1]).last();
+
+    // Room A's batch connects; its handshake hangs while room B's batch queues behind it.
+    engine.init_room(rooms[0], 2, 0).unwrap();
+    engine.send(rooms[0], chunk(10)).unwrap();
+    wait("first connect", || accepted.load(Ordering::SeqCst) == 1);
+    engine.init_room(rooms[1], 2, 1).unwrap();
+    engine.send(rooms[1], chunk(20)).unwrap();
+    // The decode dies: the held connection closes, every later one is refused at once.
+    release.store(true, Ordering::SeqCst);
+    held.lock().unwrap().clear();
+
+    for &room in &rooms {
+        wait("rooms failed", || {
+            matches!(engine.poll(room), Some(KVPoll::Failed) | None)
+        });
+    }
+    // The decode is told about both rooms.
+    let mut failed = Vec::new();
+    wait("both statuses", || {
+        if let Ok(frames) = inbox.recv_multipart(0)
+            && let Ok(DecodeInbound::Status { room, status, .. }) =
+                wire::parse_decode_inbound(&frames)
+        {
+            assert_eq!(status, KVPoll::Failed);
+            failed.push(room);
+        }
+        failed.len() == 2
+    });
+    failed.sort();
+    assert_eq!(failed, rooms);
+    // Only room A's batch tried the data plane; room B's failed on the dead-session mark.
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
