@@ -40,7 +40,7 @@ use kvx_bootstrap::sockets::{
     Inbox, InboxConfig, InboxKind, PushCache, PushOptions, SocketError, zmq,
 };
 use kvx_core::prefill::{LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager};
-use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room};
+use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, SessionId};
 
 use crate::fault::TransferThreadFailed;
 use crate::plane::DataPlane;
@@ -230,6 +230,9 @@ struct RoomSets {
     announced: HashSet<Room>,
     /// Rooms concluded whose entries the manager still holds.
     concluded: HashMap<Room, KVPoll>,
+    /// The decode sessions each room's metadata named, with their inbox endpoints and whether
+    /// they receive KV (not dummies).
+    sessions: HashMap<Room, Vec<(SessionId, Endpoint, bool)>>,
 }
 
 /// State shared by the engine's threads.
@@ -276,6 +279,7 @@ impl Shared {
             rooms.announced.remove(room);
         }
         rooms.known.retain(|r| m.poll(*r).is_some());
+        rooms.sessions.retain(|r, _| m.poll(*r).is_some());
         drop(rooms);
         drop(m);
         self.apply(out);
@@ -283,6 +287,42 @@ impl Shared {
             self.event(EngineEvent::Released { room, status });
         }
         r
+    }
+
+    /// Fails at once every open room whose metadata names `session`, a decode session just found
+    /// dead: without this, each such room would wait for its next chunk (or, behind a forward
+    /// pass short of pages, for its turn to compute) before failing. The room's other decodes
+    /// are told (status 0) as sglang tells them when a room fails on a dead session, the dead one
+    /// included (its inbox may outlive its data plane).
+    pub(crate) fn fail_session_rooms(&self, session: &SessionId, reason: &str) {
+        let affected: Vec<(Room, Vec<Endpoint>)> = lock(&self.rooms)
+            .sessions
+            .iter()
+            .filter(|(_, ss)| ss.iter().any(|(s, _, real)| *real && s == session))
+            .map(|(room, ss)| {
+                let endpoints = ss
+                    .iter()
+                    .filter(|(_, _, real)| *real)
+                    .map(|(_, e, _)| e.clone())
+                    .collect();
+                (*room, endpoints)
+            })
+            .collect();
+        for (room, endpoints) in affected {
+            let live = lock(&self.table)
+                .poll(room)
+                .is_some_and(|p| !p.is_terminal());
+            if !live {
+                continue;
+            }
+            metrics::counter!("kvx_rooms_failed_with_session_total").increment(1);
+            tracing::warn!(%room, %session, reason, "room failed: its decode session is dead");
+            if self.handle(PrefillEvent::LocalAbort { room }).is_ok() {
+                for endpoint in endpoints {
+                    self.send_status(room, endpoint, KVPoll::Failed);
+                }
+            }
+        }
     }
 
     /// Queues a 3-frame status message for the notifier.
@@ -682,7 +722,14 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
         PrefillInbound::Metadata(req) => {
             let room = req.room;
             let pages = req.dst.as_ref().map_or(0, |d| d.kv_pages.len());
-            lock(&shared.rooms).known.insert(room);
+            {
+                let mut rooms = lock(&shared.rooms);
+                rooms.known.insert(room);
+                let ss = rooms.sessions.entry(room).or_default();
+                if !ss.iter().any(|(s, _, _)| *s == req.session) {
+                    ss.push((req.session.clone(), req.endpoint.clone(), !req.is_dummy()));
+                }
+            }
             let _ = shared.handle(PrefillEvent::Metadata(*req));
             if shared.cfg.auto_open {
                 // The synthetic forward pass: every announced room gets a sender.

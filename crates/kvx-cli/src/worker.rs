@@ -144,11 +144,13 @@ fn worker_loop(shared: &Shared, queue: &Mutex<Receiver<Job>>) -> Result<(), Work
                 });
             }
             Outcome::PeerFailed(reason) => {
-                // sglang's rule: a failed transfer blacklists the decode session.
+                // sglang's rule: a failed transfer blacklists the decode session; every other
+                // open room writing to it fails now rather than one chunk at a time.
                 let _ = shared.handle(PrefillEvent::BatchDone {
                     batch_id: job.batch_id,
-                    result: Err(reason),
+                    result: Err(reason.clone()),
                 });
+                shared.fail_session_rooms(&job.session, &reason);
             }
             Outcome::RoomFailed(reason) => {
                 // One room's problem: fail it, tell its decode, keep the session usable.

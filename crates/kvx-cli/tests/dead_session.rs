@@ -1,7 +1,8 @@
-//! A decode session found dead fails every room queued behind it at once: batches already queued
-//! for the same session do not each try a fresh data-plane connect (which, towards a host that
-//! is gone, would cost a connect timeout per batch). A real ZMQ decode inbox and a real TCP
-//! listener stand in for the decode; the listener counts every connect attempt.
+//! A decode session found dead fails every room that writes to it at once: batches already
+//! queued for the same session do not each try a fresh data-plane connect (which, towards a host
+//! that is gone, would cost a connect timeout per batch), and rooms still waiting for their
+//! forward pass fail without one. A real ZMQ decode inbox and a real TCP listener stand in for
+//! the decode; the listener counts every connect attempt.
 
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,7 +27,7 @@ fn wait(what: &str, mut f: impl FnMut() -> bool) {
 }
 
 #[test]
-fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
+fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
     let mem = prefill_memory(&layout);
@@ -91,8 +92,10 @@ fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
     };
     push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
         .unwrap();
+    // Rooms A and B get chunks; room C is ready but its forward pass has not run yet.
     let rooms = [Room::new(501).unwrap(), Room::new(502).unwrap()];
-    for (i, &room) in rooms.iter().enumerate() {
+    let waiting = Room::new(503).unwrap();
+    for (i, &room) in rooms.iter().chain([&waiting]).enumerate() {
         engine.open_room(room).unwrap();
         let req = TransferRequest {
             room,
@@ -110,7 +113,7 @@ fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
         push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
             .unwrap();
     }
-    for &room in &rooms {
+    for &room in rooms.iter().chain([&waiting]) {
         wait("metadata", || {
             engine.poll(room) == Some(KVPoll::WaitingForInput)
         });
@@ -128,14 +131,15 @@ fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
     release.store(true, Ordering::SeqCst);
     held.lock().unwrap().clear();
 
-    for &room in &rooms {
+    // Room C fails with them although no chunk of it ever reached a worker.
+    for &room in rooms.iter().chain([&waiting]) {
         wait("rooms failed", || {
             matches!(engine.poll(room), Some(KVPoll::Failed) | None)
         });
     }
-    // The decode is told about both rooms.
+    // The decode is told about every room.
     let mut failed = Vec::new();
-    wait("both statuses", || {
+    wait("every status", || {
         if let Ok(frames) = inbox.recv_multipart(0)
             && let Ok(DecodeInbound::Status { room, status, .. }) =
                 wire::parse_decode_inbound(&frames)
@@ -143,10 +147,10 @@ fn rooms_queued_behind_a_dead_session_fail_without_reconnecting() {
             assert_eq!(status, KVPoll::Failed);
             failed.push(room);
         }
-        failed.len() == 2
+        failed.len() == 3
     });
     failed.sort();
-    assert_eq!(failed, rooms);
+    assert_eq!(failed, [rooms[0], rooms[1], waiting]);
     // Only room A's batch tried the data plane; room B's failed on the dead-session mark.
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
