@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvx_bootstrap::sockets::zmq;
 use kvx_cli::engine::{PrefillConfig, PrefillEngine};
 use kvx_cli::model::ModelPreset;
 use kvx_cli::prefill_cmd::prefill_memory;
