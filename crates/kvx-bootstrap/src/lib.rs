@@ -4,6 +4,10 @@
 //! multipart message ([`codec`]), the HTTP bootstrap server and client ([`http`]), and the ZMQ
 //! socket layer ([`sockets`]).
 //!
+//! The `net` cargo feature (on by default) builds [`http`] and [`sockets`] and pulls in their
+//! dependencies (libzmq, axum, reqwest, tokio); with `default-features = false` only the
+//! dependency-light [`codec`] is built, which is all the fuzz targets need.
+//!
 //! A prefill instance runs one [`http::BootstrapServer`]; each prefill rank registers its ZMQ
 //! inbox there with [`http::BootstrapClient::register_rank`]; a decode asks for the topology
 //! (the all-minus-one sentinel) and for the inbox of the ranks it needs, then talks ZMQ.
@@ -44,5 +48,7 @@
 //! ```
 
 pub mod codec;
+#[cfg(feature = "net")]
 pub mod http;
+#[cfg(feature = "net")]
 pub mod sockets;
