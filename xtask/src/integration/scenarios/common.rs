@@ -410,6 +410,15 @@ pub fn wait_metrics(
     }
 }
 
+/// Waits up to 60 s for the prefill `p` to report at least `batches` transfer batches
+/// (`kvx_transfer_batches_total`); `false` when transfers never got that far.
+pub fn transfers_flowing(ctx: &Ctx, p: &Prefill, batches: f64) -> Result<bool> {
+    let (_, flowing) = wait_metrics(ctx, p.host, p.metrics, Duration::from_secs(60), |m| {
+        m.get("kvx_transfer_batches_total") >= batches
+    })?;
+    Ok(flowing.is_some())
+}
+
 /// The prefill's live per-room entries (`kvx_room_entries`), read until they reach 0 or `timeout`.
 pub fn drained(ctx: &Ctx, p: &Prefill, timeout: Duration) -> Result<f64> {
     let (m, _) = wait_metrics(ctx, p.host, p.metrics, timeout, |m| {
@@ -431,6 +440,17 @@ pub fn first_failure_reason(p: &Proc) -> Option<String> {
 /// interval of slack for the rooms to be failed and the process to exit.
 pub fn heartbeat_window(interval: u64, max_fail: u64) -> Duration {
     Duration::from_secs(max_fail * (interval + 3) + interval)
+}
+
+/// Decode arguments for a heartbeat every `interval` seconds that declares the prefill dead
+/// after `max_fail` failed heartbeats (see [`heartbeat_window`]).
+pub fn heartbeat_args(interval: u64, max_fail: u64) -> Vec<String> {
+    args(&[
+        "--heartbeat-interval",
+        &interval.to_string(),
+        "--heartbeat-max-failure",
+        &max_fail.to_string(),
+    ])
 }
 
 /// Scaled count for the profile.

@@ -120,17 +120,9 @@ pub fn kill_prefill(ctx: &mut Ctx) -> Result<Verdict> {
     let mut p = common::prefill(ctx, "prefill", 0, boot, &model, 0, &popts)?;
     let (interval, max_fail) = (2u64, 2u64);
     let mut o = DecodeOpts::new(30, 256);
-    o.extra = common::args(&[
-        "--heartbeat-interval",
-        &interval.to_string(),
-        "--heartbeat-max-failure",
-        &max_fail.to_string(),
-    ]);
+    o.extra = common::heartbeat_args(interval, max_fail);
     let mut d = common::decode(ctx, "decode-1", 1, boot, &model, &o)?;
-    let (_, flowing) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
-        m.get("kvx_transfer_batches_total") >= 2.0
-    })?;
-    if flowing.is_none() {
+    if !common::transfers_flowing(ctx, &p, 2.0)? {
         return Ok(Verdict::Fail("transfers never started".into()));
     }
     p.proc.kill9();
@@ -216,7 +208,7 @@ pub fn fatal_worker(ctx: &mut Ctx) -> Result<Verdict> {
     };
     let mut p = common::prefill(ctx, "prefill", 0, boot, &model, 0, &popts)?;
     let mut o = DecodeOpts::new(12, 256);
-    o.extra = common::args(&["--heartbeat-interval", "2", "--heartbeat-max-failure", "2"]);
+    o.extra = common::heartbeat_args(2, 2);
     let mut d = common::decode(ctx, "decode", 1, boot, &model, &o)?;
     let expected = format!(
         "Transfer thread failed because of injected fault at {BATCH}: boom. Prefill instance with bootstrap_port={} is dead.",

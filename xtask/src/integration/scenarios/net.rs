@@ -69,10 +69,7 @@ pub fn lossy_link(ctx: &mut Ctx) -> Result<Verdict> {
     o.tokens_max = Some(160);
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
     // Once bytes flow, stall both directions for a second: connections stay up, rooms go on.
-    let (_, flowing) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
-        m.get("kvx_transfer_batches_total") >= 1.0
-    })?;
-    if flowing.is_some() {
+    if common::transfers_flowing(ctx, &p, 1.0)? {
         px0.set_stalled(true);
         px1.set_stalled(true);
         std::thread::sleep(Duration::from_secs(1));
@@ -138,17 +135,9 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     let p = common::prefill(ctx, "prefill", 0, boot, &model, 0, &popts)?;
     let (interval, max_fail) = (2u64, 2u64);
     let mut o = DecodeOpts::new(20, 256);
-    o.extra = common::args(&[
-        "--heartbeat-interval",
-        &interval.to_string(),
-        "--heartbeat-max-failure",
-        &max_fail.to_string(),
-    ]);
+    o.extra = common::heartbeat_args(interval, max_fail);
     let mut d = common::decode(ctx, "decode-1", 1, boot, &model, &o)?;
-    let (_, flowing) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
-        m.get("kvx_transfer_batches_total") >= 2.0
-    })?;
-    if flowing.is_none() {
+    if !common::transfers_flowing(ctx, &p, 2.0)? {
         return Ok(Verdict::Fail("transfers never started".into()));
     }
     let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
