@@ -390,11 +390,20 @@ async fn adversarial_client_is_rejected_and_server_lives_on() {
     assert_eq!(&dst.0[8192..8192 + 4096], &src.0[..]);
 }
 
-/// A fake peer that handshakes (advertising `region`) and then runs `then` on the socket.
-fn fake_peer(
-    region: SegmentDescriptor,
-    then: impl FnOnce(StdStream) + Send + Clone + 'static,
-) -> String {
+/// Where a fake peer's one advertised region starts (its key is 5).
+const FAKE_BASE: u64 = 1 << 30;
+
+/// A fake peer that handshakes (advertising one region of `region_len` bytes at [`FAKE_BASE`])
+/// and then runs `then` on the socket.
+fn fake_peer(region_len: u64, then: impl FnOnce(StdStream) + Send + Clone + 'static) -> String {
+    let region = SegmentDescriptor {
+        endpoint: String::new(),
+        regions: vec![kvx_rdma::RegionDesc {
+            base: FAKE_BASE,
+            len: region_len,
+            key: kvx_rdma::RegionKey(5),
+        }],
+    };
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = l.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -425,16 +434,8 @@ fn fake_peer(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_fails_its_batch_only() {
-    let region = SegmentDescriptor {
-        endpoint: String::new(),
-        regions: vec![kvx_rdma::RegionDesc {
-            base: 1 << 30,
-            len: 1 << 30,
-            key: kvx_rdma::RegionKey(5),
-        }],
-    };
     // The dying peer reads 1 MiB, then closes (as a killed process's kernel would).
-    let dying = fake_peer(region, |mut s| {
+    let dying = fake_peer(1 << 30, |mut s| {
         let mut sink = vec![0u8; 1 << 20];
         let _ = s.read_exact(&mut sink);
         drop(s);
@@ -449,7 +450,7 @@ async fn killed_peer_fails_its_batch_only() {
     src.register(&*client);
 
     let doomed = client.connect(&dying).await.unwrap();
-    let big = vec![TransferOp::new(src.addr(), 1 << 30, 16 << 20)];
+    let big = vec![TransferOp::new(src.addr(), FAKE_BASE, 16 << 20)];
     let good = client.connect(&healthy.endpoint()).await.unwrap();
     let ok_op = vec![TransferOp::new(src.addr(), dst.addr(), 8 << 20)];
     let (bad, ok) = tokio::join!(
@@ -474,16 +475,8 @@ async fn killed_peer_fails_its_batch_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_peer_times_out() {
-    let region = SegmentDescriptor {
-        endpoint: String::new(),
-        regions: vec![kvx_rdma::RegionDesc {
-            base: 1 << 30,
-            len: 1 << 20,
-            key: kvx_rdma::RegionKey(5),
-        }],
-    };
     // Reads everything, never acknowledges.
-    let silent = fake_peer(region, |mut s| {
+    let silent = fake_peer(1 << 20, |mut s| {
         let mut sink = vec![0u8; 1 << 16];
         while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
     });
@@ -497,7 +490,7 @@ async fn silent_peer_times_out() {
     let s = client.connect(&silent).await.unwrap();
     let r = tokio::time::timeout(
         Duration::from_secs(5),
-        s.write_batch(vec![TransferOp::new(src.addr(), 1 << 30, 1 << 20)]),
+        s.write_batch(vec![TransferOp::new(src.addr(), FAKE_BASE, 1 << 20)]),
     )
     .await
     .expect("hang guard");
