@@ -63,6 +63,27 @@ fn kv_mem(item: u64, fill: Option<u8>) -> HostMemory {
     m
 }
 
+/// Bytes of one page of one layer on a prefill rank (its share of the heads).
+fn src_item(geom: &TpGeometry) -> u64 {
+    PAGE * u64::from(geom.prefill_heads()) * BPH
+}
+
+/// Bytes of one page of one layer on the decode rank.
+fn dst_item(geom: &TpGeometry) -> u64 {
+    PAGE * u64::from(geom.decode_heads()) * BPH
+}
+
+/// Head-slice parameters for prefill rank `p` writing to decode rank 0.
+fn head_params(p: u32) -> HeadSliceParams {
+    HeadSliceParams {
+        total_kv_heads: HEADS,
+        src_tp_size: PT,
+        src_tp_rank: p,
+        dst_tp_size: DT,
+        dst_tp_rank: 0,
+    }
+}
+
 fn layout(item: u64) -> KvLayout {
     let l = LAYERS as u64;
     let buf = |i: u64| Buffer::new((i + 1) << 40, item, item * CAP_PAGES);
@@ -76,8 +97,7 @@ fn layout(item: u64) -> KvLayout {
 impl Room {
     fn new() -> Self {
         let geom = TpGeometry::new(HEADS, PT, DT).unwrap_or_else(|e| panic!("{e}"));
-        let src_item = PAGE * u64::from(geom.prefill_heads()) * BPH;
-        let dst_item = PAGE * u64::from(geom.decode_heads()) * BPH;
+        let (src_item, dst_item) = (src_item(&geom), dst_item(&geom));
         Room {
             geom,
             prefill: (0..PT)
@@ -94,28 +114,19 @@ impl Room {
         }
     }
 
-    fn src_item(&self) -> u64 {
-        PAGE * u64::from(self.geom.prefill_heads()) * BPH
-    }
-
-    fn dst_item(&self) -> u64 {
-        PAGE * u64::from(self.geom.decode_heads()) * BPH
-    }
-
     /// The head-slice path: plan and execute every op; returns the op count.
     fn head_slice(&mut self) -> u64 {
-        let (src, dst) = (layout(self.src_item()), layout(self.dst_item()));
+        let (src, dst) = (layout(src_item(&self.geom)), layout(dst_item(&self.geom)));
         let mut n = 0;
         for p in 0..PT {
-            let params = HeadSliceParams {
-                total_kv_heads: HEADS,
-                src_tp_size: PT,
-                src_tp_rank: p,
-                dst_tp_size: DT,
-                dst_tp_rank: 0,
-            };
-            let plan = plan_kv_head_slice(&src, &dst, &params, &self.src_pages, &self.dst_pages)
-                .unwrap_or_else(|e| panic!("{e}"));
+            let plan = plan_kv_head_slice(
+                &src,
+                &dst,
+                &head_params(p),
+                &self.src_pages,
+                &self.dst_pages,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
             let ops: Vec<TransferOp> = plan.ops().collect();
             n += ops.len() as u64;
             self.decode
@@ -128,7 +139,7 @@ impl Room {
     /// The staged path: gather, one write per writer and chunk, scatter; returns the write ops.
     fn staged(&mut self, st: &mut Staging) -> u64 {
         let lay = StagedLayout::for_decode(&self.geom, 0, LAYERS, BPH, PAGE);
-        let (src_item, dst_item) = (self.src_item() as usize, self.dst_item() as usize);
+        let (src_item, dst_item) = (src_item(&self.geom) as usize, dst_item(&self.geom) as usize);
         let mut writes = 0;
         for start in (0..PAGES).step_by(CHUNK_PAGES as usize) {
             let n = CHUNK_PAGES.min(PAGES - start);
@@ -334,21 +345,19 @@ impl NetRoom {
     }
 
     fn head_slice(&mut self) -> u64 {
-        let src_item = PAGE * u64::from(self.geom.prefill_heads()) * BPH;
-        let dst_item = PAGE * u64::from(self.geom.decode_heads()) * BPH;
+        let (src_item, dst_item) = (src_item(&self.geom), dst_item(&self.geom));
         let dst = layout_at(&self.decode_kv, dst_item);
         let mut batches = Vec::new();
         for p in 0..PT {
             let src = layout_at(&self.prefill_kv[p as usize], src_item);
-            let params = HeadSliceParams {
-                total_kv_heads: HEADS,
-                src_tp_size: PT,
-                src_tp_rank: p,
-                dst_tp_size: DT,
-                dst_tp_rank: 0,
-            };
-            let plan = plan_kv_head_slice(&src, &dst, &params, &self.src_pages, &self.dst_pages)
-                .unwrap_or_else(|e| panic!("{e}"));
+            let plan = plan_kv_head_slice(
+                &src,
+                &dst,
+                &head_params(p),
+                &self.src_pages,
+                &self.dst_pages,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
             batches.push(plan.ops().collect::<Vec<_>>());
         }
         let n = batches.iter().map(|b| b.len() as u64).sum();
@@ -361,7 +370,7 @@ impl NetRoom {
     /// on the wire) wait for chunk k-1, scatter it and free its ring region.
     fn staged(&mut self) -> u64 {
         let lay = StagedLayout::for_decode(&self.geom, 0, LAYERS, BPH, PAGE);
-        let src_item = (PAGE * u64::from(self.geom.prefill_heads()) * BPH) as usize;
+        let src_item = src_item(&self.geom) as usize;
         let ring_base = self.ring.as_ptr() as u64;
         let mut writes = 0;
         let mut in_flight: Option<(Chunk, Vec<Flight>)> = None;
@@ -413,7 +422,7 @@ impl NetRoom {
     }
 
     fn scatter_chunk(&mut self, lay: &StagedLayout, (id, pl, s, e): Chunk) {
-        let dst_item = (PAGE * u64::from(self.geom.decode_heads()) * BPH) as usize;
+        let dst_item = dst_item(&self.geom) as usize;
         let n = (e - s) as u64;
         for (w, wr) in lay.writers.iter().enumerate() {
             let off = (pl.offset + lay.writer_offset(w, n)) as usize;
