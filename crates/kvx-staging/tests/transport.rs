@@ -165,12 +165,7 @@ fn run(kind: &str, pt: u32, dt: u32) {
         full_chunk_pages,
         ring_len,
     );
-    for (d, (got, want)) in cluster.decode_kv.iter().zip(&expected).enumerate() {
-        assert!(
-            got.all() == want.all(),
-            "{kind} {pt}->{dt}: decode rank {d} differs from the head-slice path"
-        );
-    }
+    cluster.assert_decode_equals(&expected, &format!("{kind} {pt}->{dt}"));
     // 5 chunks per (writer, decode) pair, one write each, all through the transport.
     let pairs = u64::from(pt.max(dt));
     assert_eq!(link.ops, 5 * pairs);

@@ -188,6 +188,18 @@ impl Cluster {
         }
     }
 
+    /// Asserts that every decode rank holds exactly the pages of the head-slice baseline
+    /// `expected`; `case` names the case in the failure message.
+    pub fn assert_decode_equals(&self, expected: &[HostMemory], case: &str) {
+        assert_eq!(self.decode_kv.len(), expected.len(), "{case}: decode ranks");
+        for (d, (got, want)) in self.decode_kv.iter().zip(expected).enumerate() {
+            assert!(
+                got.all() == want.all(),
+                "{case}: decode rank {d} differs from the head-slice path"
+            );
+        }
+    }
+
     /// The decode pages after the per-token head-slice path (kvx-core's planner): returns the
     /// decode memories and the number of write ops.
     pub fn head_slice_baseline(
