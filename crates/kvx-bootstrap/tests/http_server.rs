@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod reg_support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -11,31 +13,9 @@ use axum::Router;
 use axum::routing::get;
 use kvx_bootstrap::http::client::sglang_backoff;
 use kvx_bootstrap::http::{
-    BootstrapClient, BootstrapServer, RankInfo, RankRegistration, RetryPolicy, RouteQuery,
-    ServerConfig,
+    BootstrapClient, BootstrapServer, RankInfo, RetryPolicy, RouteQuery, ServerConfig,
 };
-
-fn reg(tp_size: u32, tp_rank: u32, port: u16) -> RankRegistration {
-    RankRegistration {
-        attn_tp_size: tp_size,
-        attn_tp_rank: tp_rank,
-        attn_cp_size: 1,
-        attn_cp_rank: 0,
-        attn_dp_size: 1,
-        attn_dp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        system_dp_size: 1,
-        system_dp_rank: 0,
-        rank_ip: "127.0.0.1".into(),
-        rank_port: port,
-        page_size: Some(16),
-        kv_cache_dtype: Some("auto".into()),
-        load_balance_method: Some("round_robin".into()),
-        enable_dsa_cache_layer_split: Some(false),
-        prefill_http_port: Some(30000),
-    }
-}
+use reg_support::loopback_rank as reg;
 
 fn raw() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod py_support;
+mod reg_support;
 
 use std::time::Duration;
 
@@ -69,25 +70,12 @@ fn metadata(room_id: u64, endpoint: Endpoint, session: &str, dummy: bool) -> Tra
     }
 }
 
+/// The prefill rank Python reads back: page size 64, sglang's default load balancing.
 fn rank(port: u16) -> RankRegistration {
     RankRegistration {
-        attn_tp_size: 1,
-        attn_tp_rank: 0,
-        attn_cp_size: 1,
-        attn_cp_rank: 0,
-        attn_dp_size: 1,
-        attn_dp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        system_dp_size: 1,
-        system_dp_rank: 0,
-        rank_ip: "127.0.0.1".into(),
-        rank_port: port,
         page_size: Some(64),
-        kv_cache_dtype: Some("auto".into()),
         load_balance_method: Some("follow_bootstrap_room".into()),
-        enable_dsa_cache_layer_split: Some(false),
-        prefill_http_port: Some(30000),
+        ..reg_support::loopback_rank(1, 0, port)
     }
 }
 
