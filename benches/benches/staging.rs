@@ -84,6 +84,17 @@ fn head_params(p: u32) -> HeadSliceParams {
     }
 }
 
+/// The gather/scatter view of `n_heads` heads from `head` on, in pages of `item_len` bytes.
+fn slice_spec(item_len: usize, head: u32, n_heads: u32) -> SliceSpec {
+    SliceSpec {
+        page_size: PAGE as usize,
+        bytes_per_head_token: BPH as usize,
+        item_len,
+        head: head as usize,
+        n_heads: n_heads as usize,
+    }
+}
+
 fn layout(item: u64) -> KvLayout {
     let l = LAYERS as u64;
     let buf = |i: u64| Buffer::new((i + 1) << 40, item, item * CAP_PAGES);
@@ -151,13 +162,7 @@ impl Room {
             for p in 0..PT {
                 let w = self.geom.writer_index(p) as usize;
                 let slice = self.geom.slice(p, 0);
-                let spec = SliceSpec {
-                    page_size: PAGE as usize,
-                    bytes_per_head_token: BPH as usize,
-                    item_len: src_item,
-                    head: slice.src_head as usize,
-                    n_heads: slice.n_heads as usize,
-                };
+                let spec = slice_spec(src_item, slice.src_head, slice.n_heads);
                 let out = st.staging.region_mut(st.staging_base).unwrap_or_default();
                 let len = gather(
                     &spec,
@@ -180,13 +185,7 @@ impl Room {
             for (w, wr) in lay.writers.iter().enumerate() {
                 let off = (pl.offset + lay.writer_offset(w, n)) as usize;
                 let len = lay.writer_bytes(w, n) as usize;
-                let spec = SliceSpec {
-                    page_size: PAGE as usize,
-                    bytes_per_head_token: BPH as usize,
-                    item_len: dst_item,
-                    head: wr.dst_head as usize,
-                    n_heads: wr.heads as usize,
-                };
+                let spec = slice_spec(dst_item, wr.dst_head, wr.heads);
                 scatter(&spec, &ring[off..off + len], &mut kv, &self.dst_pages[s..e])
                     .unwrap_or_else(|e| panic!("{e}"));
             }
@@ -389,13 +388,7 @@ impl NetRoom {
             for p in 0..PT {
                 let w = self.geom.writer_index(p) as usize;
                 let slice = self.geom.slice(p, 0);
-                let spec = SliceSpec {
-                    page_size: PAGE as usize,
-                    bytes_per_head_token: BPH as usize,
-                    item_len: src_item,
-                    head: slice.src_head as usize,
-                    n_heads: slice.n_heads as usize,
-                };
+                let spec = slice_spec(src_item, slice.src_head, slice.n_heads);
                 let out = &mut self.staging[2 * p as usize + k % 2];
                 let len = gather(
                     &spec,
@@ -427,13 +420,7 @@ impl NetRoom {
         for (w, wr) in lay.writers.iter().enumerate() {
             let off = (pl.offset + lay.writer_offset(w, n)) as usize;
             let len = lay.writer_bytes(w, n) as usize;
-            let spec = SliceSpec {
-                page_size: PAGE as usize,
-                bytes_per_head_token: BPH as usize,
-                item_len: dst_item,
-                head: wr.dst_head as usize,
-                n_heads: wr.heads as usize,
-            };
+            let spec = slice_spec(dst_item, wr.dst_head, wr.heads);
             assert!(off + len <= self.ring.len());
             // SAFETY: `off..off + len` lies inside the ring (checked above) and inside this
             // chunk's allocation, whose writes have completed; the only batch still in flight
