@@ -30,17 +30,22 @@ fn random_frames() -> impl Strategy<Value = Vec<Vec<u8>>> {
     vec(frame, 0..21)
 }
 
+/// Runs every checking body the fuzz targets run on `frames` (each panics on a disagreement).
+fn every_body(frames: &[Vec<u8>]) {
+    let _ = check::prefill_inbox(frames);
+    let _ = check::decode_inbox(frames);
+    check::every_parser(frames);
+    for fr in frames {
+        check::packed_lists(fr);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
     fn fuzz_bodies_on_random_frames(frames in random_frames()) {
-        let _ = check::prefill_inbox(&frames);
-        let _ = check::decode_inbox(&frames);
-        check::every_parser(&frames);
-        for fr in &frames {
-            check::packed_lists(fr);
-        }
+        every_body(&frames);
     }
 
     #[test]
@@ -51,12 +56,7 @@ proptest! {
         for m in &muts {
             apply(&mut frames, m);
         }
-        let _ = check::prefill_inbox(&frames);
-        let _ = check::decode_inbox(&frames);
-        check::every_parser(&frames);
-        for fr in &frames {
-            check::packed_lists(fr);
-        }
+        every_body(&frames);
     }
 
     #[test]
