@@ -48,16 +48,22 @@ fn small_cfg() -> TcpConfig {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bytes_arrive_exactly() {
-    let mut dst = Buf::zeroed(4 << 20);
-    let mut src = Buf::pattern(4 << 20, 0x5a);
+/// A [`small_cfg`] server on loopback with `dst` registered, and a client with `src` registered.
+async fn small_pair(src: &mut Buf, dst: &mut Buf) -> (Arc<TcpTransport>, Arc<TcpTransport>) {
     let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
         .await
         .unwrap();
     dst.register(&*server);
     let client = TcpTransport::client(small_cfg());
     src.register(&*client);
+    (server, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_arrive_exactly() {
+    let mut dst = Buf::zeroed(4 << 20);
+    let mut src = Buf::pattern(4 << 20, 0x5a);
+    let (server, client) = small_pair(&mut src, &mut dst).await;
 
     // Mixed sizes: tiny, odd, sliced (> slice_bytes), spanning windows; gaps stay zero.
     let mut ops = Vec::new();
@@ -118,12 +124,7 @@ async fn huge_batches_of_small_scattered_ops() {
     const N: u64 = 20_000;
     let mut dst = Buf::zeroed((2 * N * 64) as usize);
     let mut src = Buf::pattern((N * 64) as usize, 0x33);
-    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
-        .await
-        .unwrap();
-    dst.register(&*server);
-    let client = TcpTransport::client(small_cfg());
-    src.register(&*client);
+    let (server, client) = small_pair(&mut src, &mut dst).await;
     // Op i copies src[64i..64i+40] to the reversed slot dst[128(N-1-i)..+40].
     let ops: Vec<_> = (0..N)
         .map(|i| TransferOp::new(src.addr() + 64 * i, dst.addr() + 128 * (N - 1 - i), 40))
@@ -141,12 +142,7 @@ async fn huge_batches_of_small_scattered_ops() {
 async fn unregistered_ranges_fail_before_sending() {
     let mut dst = Buf::zeroed(1 << 16);
     let mut src = Buf::pattern(1 << 16, 1);
-    let server = TcpTransport::bind("127.0.0.1:0", small_cfg())
-        .await
-        .unwrap();
-    dst.register(&*server);
-    let client = TcpTransport::client(small_cfg());
-    src.register(&*client);
+    let (server, client) = small_pair(&mut src, &mut dst).await;
     let session = client.connect(&server.endpoint()).await.unwrap();
     let good = TransferOp::new(src.addr(), dst.addr(), 16);
     let past_dst = TransferOp::new(src.addr(), dst.addr() + (1 << 16) - 8, 16);
