@@ -477,24 +477,14 @@ fn write_parts_blocking(
             off = 0;
             continue;
         }
-        let mut n = match mem::writev(fd, &parts[idx..], off) {
+        let n = match mem::writev(fd, &parts[idx..], off) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
         total += n as u64;
-        while n > 0 && idx < parts.len() {
-            let left = parts[idx].len() - off;
-            if n >= left {
-                n -= left;
-                idx += 1;
-                off = 0;
-            } else {
-                off += n;
-                n = 0;
-            }
-        }
+        (idx, off) = super::io::advance(parts, idx, off, n);
     }
     Ok(total)
 }

@@ -36,7 +36,7 @@ pub async fn write_parts(stream: &TcpStream, parts: &[IoPart<'_>]) -> io::Result
             continue;
         }
         let r = stream.try_io(Interest::WRITABLE, || mem::writev(fd, &parts[idx..], off));
-        let mut n = match r {
+        let n = match r {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -47,19 +47,30 @@ pub async fn write_parts(stream: &TcpStream, parts: &[IoPart<'_>]) -> io::Result
         };
         total += n as u64;
         tokio::task::consume_budget().await;
-        while n > 0 && idx < parts.len() {
-            let left = parts[idx].len() - off;
-            if n >= left {
-                n -= left;
-                idx += 1;
-                off = 0;
-            } else {
-                off += n;
-                n = 0;
-            }
-        }
+        (idx, off) = advance(parts, idx, off, n);
     }
     Ok(total)
+}
+
+/// Moves the cursor `(idx, off)` over `parts` forward by `n` written bytes.
+pub(crate) fn advance(
+    parts: &[IoPart<'_>],
+    mut idx: usize,
+    mut off: usize,
+    mut n: usize,
+) -> (usize, usize) {
+    while n > 0 && idx < parts.len() {
+        let left = parts[idx].len() - off;
+        if n >= left {
+            n -= left;
+            idx += 1;
+            off = 0;
+        } else {
+            off += n;
+            n = 0;
+        }
+    }
+    (idx, off)
 }
 
 /// Writes all of `bytes`.
