@@ -58,6 +58,19 @@ pub struct ModelArgs {
     pub kv_cache_dtype: String,
 }
 
+/// Staging for heterogeneous attention TP (spec §6): both sides must agree on the grid.
+#[derive(Clone, Debug, Args)]
+pub struct StagingArgs {
+    /// Move KV between different attention-TP sizes through the decode's staging ring (one
+    /// gathered write per chunk) instead of per-token head slices. Needed on both sides.
+    #[arg(long, env = "SGLANG_DISAGG_STAGING_BUFFER")]
+    pub staging: bool,
+    /// Tokens per prefill chunk; the staging chunk grid is cut from it (must match the other
+    /// side's).
+    #[arg(long, default_value_t = 8192)]
+    pub chunked_prefill_size: i64,
+}
+
 /// Flags of `kvx prefill` (a repeated flag: the last one wins).
 #[derive(Clone, Debug, Args)]
 #[command(args_override_self = true)]
@@ -114,6 +127,12 @@ pub struct PrefillArgs {
     /// Data-plane connections per decode session.
     #[arg(long, default_value_t = 2)]
     pub connections: usize,
+    /// Staging.
+    #[command(flatten)]
+    pub staging: StagingArgs,
+    /// Seconds a staged chunk may wait for ring space before its room fails.
+    #[arg(long, default_value_t = 60.0)]
+    pub staging_wait_timeout: f64,
 }
 
 /// Flags of `kvx decode` (a repeated flag: the last one wins).
@@ -184,6 +203,16 @@ pub struct DecodeArgs {
     /// Never draw a progress bar (it is drawn only on a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
+    /// Staging.
+    #[command(flatten)]
+    pub staging: StagingArgs,
+    /// Size of the staging ring in MiB (with --staging).
+    #[arg(
+        long,
+        env = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB",
+        default_value_t = 4096
+    )]
+    pub staging_ring_mib: u64,
 }
 
 /// Flags of `kvx bootstrap`.

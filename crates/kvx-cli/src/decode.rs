@@ -9,7 +9,9 @@
 //! statuses, ticks and heartbeat loss, sends the `ABORT`s it asks for and hands each concluded
 //! room's outcome to the task waiting on it. Its destination memory is registered with a data-plane server whose
 //! `ip:port` is the session id it sends. Every byte of a successful room is checked against the
-//! pattern before its pages are reused.
+//! pattern before its pages are reused. With staging ([`DecodeConfig::staging`]) it also
+//! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
+//! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,6 +30,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore, oneshot};
 
+use crate::decode_staging::{DecodeStager, Outgoing, StagingError};
 use crate::engine::count_dropped;
 use crate::model::{self, KvLayout};
 use crate::pages::PageAllocator;
@@ -77,6 +80,17 @@ pub struct DecodeConfig {
     pub progress: bool,
     /// Data-plane backend.
     pub backend: crate::plane::Backend,
+    /// Staging ring for prefills of another attention-TP size (`None`: head slices only).
+    pub staging: Option<DecodeStagingConfig>,
+}
+
+/// The decode's staging ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeStagingConfig {
+    /// Ring size in bytes.
+    pub ring_bytes: u64,
+    /// `chunked_prefill_size` in tokens (the chunk grid; must match the prefill's).
+    pub chunked_prefill_size: i64,
 }
 
 /// What a decode run did.
@@ -132,6 +146,8 @@ struct Peer {
     /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
     bootstrap_addr: String,
     outbox: Outbox,
+    /// The staging ring and staged rooms (with [`DecodeConfig::staging`]).
+    stager: Option<Arc<DecodeStager>>,
     dead: AtomicBool,
     stop: AtomicBool,
     bytes: AtomicU64,
@@ -213,6 +229,30 @@ impl Peer {
                 self.send_aborts(aborts).await;
             }
             Ok(DecodeInbound::AbortAck(room)) => tracing::debug!(%room, "abort acknowledged"),
+            Ok(DecodeInbound::StagingReq(req)) => {
+                let Some(st) = &self.stager else {
+                    metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "staging_req")
+                        .increment(1);
+                    return;
+                };
+                let r = st.on_staging_req(&req);
+                self.after_staging(r, "STAGING_REQ").await;
+            }
+            Ok(DecodeInbound::ChunkReady(msg)) => {
+                let Some(st) = self.stager.clone() else {
+                    metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "chunk_ready")
+                        .increment(1);
+                    return;
+                };
+                // The scatter runs before the next message is read (the status that follows
+                // this CHUNK_READY must find the chunk in place), off the runtime's workers.
+                let r = tokio::task::spawn_blocking(move || st.on_chunk_ready(&msg))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(StagingError::Geometry(format!("scatter task failed: {e}")))
+                    });
+                self.after_staging(r, "CHUNK_READY").await;
+            }
             Ok(DecodeInbound::Other(kind)) => {
                 metrics::counter!("kvx_decode_ignored_messages_total", "kind" => kind).increment(1)
             }
@@ -221,6 +261,25 @@ impl Peer {
                     .increment(1);
                 tracing::warn!(error = %e, "malformed message dropped");
             }
+        }
+    }
+
+    /// Sends the staging messages a handled message produced, or counts and logs its error.
+    async fn after_staging(&self, r: Result<Vec<Outgoing>, StagingError>, what: &str) {
+        match r {
+            Ok(out) => self.send_all(out).await,
+            Err(e) => {
+                metrics::counter!("kvx_decode_staging_errors_total", "kind" => e.kind())
+                    .increment(1);
+                tracing::warn!(error = %e, "{what} dropped");
+            }
+        }
+    }
+
+    /// Sends each message (failures are logged and counted by the outbox).
+    async fn send_all(&self, out: Vec<Outgoing>) {
+        for (ep, frames) in out {
+            let _ = self.send(&ep, frames).await;
         }
     }
 
@@ -247,7 +306,11 @@ impl Peer {
             state_dim_per_tensor: vec![],
             kv_layer_ids: vec![],
             state_layer_ids: vec![],
-            staging: Default::default(),
+            staging: self
+                .stager
+                .as_ref()
+                .map(|s| s.ring_info())
+                .unwrap_or_default(),
             dcp_size: 1,
             dcp_rank: 0,
             staging_slot_layer_ids: None,
@@ -300,6 +363,8 @@ struct Topology {
     required_dst_info_num: u32,
     responses: usize,
     dst_tp_rank: u32,
+    /// The two TP sizes when rooms take the staging path (staging on, TP differs, not MLA).
+    staged: Option<kvx_staging::TpGeometry>,
 }
 
 async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> Result<Topology> {
@@ -372,11 +437,19 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
         peer.send(&endpoint, reg).await?;
         targets.push(Target { endpoint, dummy });
     }
+    let staged = match &peer.stager {
+        Some(_) if pt != dt && !cfg.layout.mla => Some(
+            kvx_staging::TpGeometry::new(cfg.layout.total_kv_heads, pt, dt)
+                .context("staging geometry")?,
+        ),
+        _ => None,
+    };
     Ok(Topology {
         targets,
         required_dst_info_num,
         responses,
         dst_tp_rank: r,
+        staged,
     })
 }
 
@@ -386,15 +459,28 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
     let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
     let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
-    let plane = DataPlane::server(
-        cfg.backend,
-        &format!("{}:0", cfg.host),
-        &name,
-        vec![kv.clone(), aux.clone()],
-    )
-    .await
-    .context("binding the data plane")?;
+    let ring = match &cfg.staging {
+        Some(s) => Some(Arc::new(Region::new(
+            usize::try_from(s.ring_bytes).context("staging ring size")?,
+        ))),
+        None => None,
+    };
+    let mut regions = vec![kv.clone(), aux.clone()];
+    regions.extend(ring.clone());
+    let plane = DataPlane::server(cfg.backend, &format!("{}:0", cfg.host), &name, regions)
+        .await
+        .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
+    let stager = match (ring, &cfg.staging) {
+        (Some(ring), Some(s)) => Some(Arc::new(DecodeStager::new(
+            session.clone(),
+            ring,
+            kv.clone(),
+            layout.clone(),
+            s.chunked_prefill_size,
+        )?)),
+        _ => None,
+    };
     let ctx = zmq::Context::new();
     let mut inbox = Inbox::bind(&ctx, InboxConfig::new(cfg.host.clone(), InboxKind::Decode))
         .context("binding the decode inbox")?;
@@ -421,6 +507,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         waiters: Mutex::new(HashMap::new()),
         bootstrap_addr: format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port),
         outbox,
+        stager,
         dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
@@ -617,6 +704,25 @@ async fn one_request(
     };
     let aborts = [peer.handle(created, None), peer.handle(init, None)].concat();
     peer.send_aborts(aborts).await;
+    // A staged room is registered with the ring before its metadata goes out (sglang's order):
+    // the prefill's STAGING_REQs follow the metadata.
+    let staged = match (&peer.stager, &topo.staged) {
+        (Some(st), Some(geom)) => {
+            let peers = topo
+                .targets
+                .iter()
+                .filter(|t| !t.dummy)
+                .map(|t| t.endpoint.clone())
+                .collect();
+            if let Err(e) = st.register_room(room, peers, &pages, geom, topo.dst_tp_rank) {
+                let why = format!("staging: {e}");
+                let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+                peer.send_aborts(aborts).await;
+            }
+            Some(st.clone())
+        }
+        _ => None,
+    };
     let t0 = Instant::now();
     for t in &topo.targets {
         let req = TransferRequest {
@@ -643,12 +749,18 @@ async fn one_request(
             break;
         }
     }
-    let _ = topo.dst_tp_rank;
     // The waiting timeout starts once the metadata went out; the ticker enforces it.
     let aborts = peer.handle(DecodeEvent::MetadataSent { room }, None);
     peer.send_aborts(aborts).await;
-    let outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
+    let mut outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
     let latency = t0.elapsed();
+    if let Some(st) = &staged {
+        let (out, drained) = st.finish_room(room, outcome.is_ok());
+        peer.send_all(out).await;
+        if outcome.is_ok() && !drained {
+            outcome = Err("staging: Success before every chunk was scattered".into());
+        }
+    }
     match outcome {
         Ok(()) => {
             let p = peer.clone();
@@ -675,6 +787,10 @@ async fn one_request(
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 release(&p, &pages, row);
+                if let Some(st) = staged {
+                    let out = st.release_fenced(room);
+                    p.send_all(out).await;
+                }
             });
             (RoomResult::Failed(reason), latency)
         }
@@ -712,5 +828,11 @@ async fn ticker(peer: Arc<Peer>) {
         let aborts = peer.handle(DecodeEvent::Tick, None);
         peer.send_aborts(aborts).await;
         metrics::gauge!("kvx_decode_room_entries").set(lock(&peer.rooms).live_entries() as f64);
+        if let Some(st) = &peer.stager {
+            let (rooms, allocations, fenced) = st.counts();
+            metrics::gauge!("kvx_decode_staging_rooms").set(rooms as f64);
+            metrics::gauge!("kvx_decode_staging_allocations").set(allocations as f64);
+            metrics::gauge!("kvx_decode_staging_fenced_rooms").set(fenced as f64);
+        }
     }
 }

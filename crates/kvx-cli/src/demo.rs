@@ -50,6 +50,11 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             restart_workers: false,
             backend: "tcp".into(),
             connections: 2,
+            staging: crate::config::StagingArgs {
+                staging: false,
+                chunked_prefill_size: 8192,
+            },
+            staging_wait_timeout: 60.0,
         };
         let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
         let client = BootstrapClient::new("127.0.0.1", port)?;
@@ -78,6 +83,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             room_base: None,
             progress: true,
             backend: args.backend,
+            staging: None,
         };
         let summary = decode::run(cfg).await?;
         let fatal = engine.wait_fatal(Duration::ZERO);

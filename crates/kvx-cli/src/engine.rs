@@ -4,7 +4,9 @@
 //! completion and clock tick into `kvx-core`'s [`PrefillManager`] (the deterministic room state
 //! machine and planner) and performs its actions: batches go to transfer workers on sharded
 //! queues under a supervisor; status and `ABORT_ACK` messages go out from one notifier thread
-//! that never blocks a worker. An embedding
+//! that never blocks a worker. Towards a decode of another attention-TP size that advertises a
+//! staging ring, and with [`PrefillConfig::staging`] on, chunks travel through the decode's ring
+//! instead (see [`crate::prefill_staging`]). An embedding
 //! engine registers its memory once ([`PrefillMemory`]), opens rooms, hands chunks to
 //! [`PrefillEngine::send`] as its forward pass finishes them and polls [`PrefillEngine::poll`].
 //!
@@ -39,14 +41,18 @@ use std::time::{Duration, Instant};
 use kvx_bootstrap::sockets::{
     Inbox, InboxConfig, InboxKind, PushCache, PushOptions, SocketError, zmq,
 };
-use kvx_core::prefill::{LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager};
+use kvx_core::prefill::{
+    LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager, TransferPath,
+};
 use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, SessionId};
+use kvx_staging::ChunkGrid;
 
 use crate::fault::TransferThreadFailed;
 use crate::plane::DataPlane;
+use crate::prefill_staging::{Effect, LocalShape, StagingDriver};
 use crate::region::Region;
 use crate::wire::{self, Frames, PrefillInbound};
-use crate::worker::{self, Job, JobQueue};
+use crate::worker::{self, Job, JobQueue, Work};
 
 /// Settings of one prefill rank.
 #[derive(Clone, Debug)]
@@ -86,6 +92,13 @@ pub struct PrefillConfig {
     pub page_size: u32,
     /// Data-plane backend.
     pub backend: crate::plane::Backend,
+    /// Send through decodes' staging rings where they advertise one and the attention-TP sizes
+    /// differ (sglang's `SGLANG_DISAGG_STAGING_BUFFER`); otherwise per-token head slices.
+    pub staging: bool,
+    /// `chunked_prefill_size` in tokens: the staging chunk grid (must match the decode's).
+    pub chunked_prefill_size: i64,
+    /// A staged chunk that waits longer than this for ring space fails its room.
+    pub staging_wait_timeout: Duration,
 }
 
 impl Default for PrefillConfig {
@@ -108,6 +121,9 @@ impl Default for PrefillConfig {
             connections: 2,
             page_size: 16,
             backend: crate::plane::Backend::Tcp,
+            staging: false,
+            chunked_prefill_size: kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE,
+            staging_wait_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -249,6 +265,10 @@ pub(crate) struct Shared {
     events: Option<Mutex<Sender<EngineEvent>>>,
     fatal: Mutex<Option<Arc<TransferThreadFailed>>>,
     fatal_tx: Mutex<Sender<Arc<TransferThreadFailed>>>,
+    /// The staging driver (with [`PrefillConfig::staging`]).
+    pub(crate) staging: Option<Mutex<StagingDriver>>,
+    /// One registered staging buffer per transfer queue (gather target of its worker).
+    pub(crate) stage_bufs: Vec<Arc<Region>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -309,20 +329,101 @@ impl Shared {
             })
             .collect();
         for (room, endpoints) in affected {
-            let live = lock(&self.table)
-                .poll(room)
-                .is_some_and(|p| !p.is_terminal());
-            if !live {
-                continue;
+            if self.fail_room_with(room, endpoints) {
+                metrics::counter!("kvx_rooms_failed_with_session_total").increment(1);
+                tracing::warn!(%room, %session, reason, "room failed: its decode session is dead");
             }
-            metrics::counter!("kvx_rooms_failed_with_session_total").increment(1);
-            tracing::warn!(%room, %session, reason, "room failed: its decode session is dead");
-            if self.handle(PrefillEvent::LocalAbort { room }).is_ok() {
-                for endpoint in endpoints {
-                    self.send_status(room, endpoint, KVPoll::Failed);
+        }
+    }
+
+    /// Fails an open room from this side and tells every decode that receives its KV
+    /// (status 0). False when the room was not open.
+    pub(crate) fn fail_room(&self, room: Room, reason: &str) -> bool {
+        let endpoints = lock(&self.rooms)
+            .sessions
+            .get(&room)
+            .map(|ss| {
+                ss.iter()
+                    .filter(|(_, _, real)| *real)
+                    .map(|(_, e, _)| e.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let failed = self.fail_room_with(room, endpoints);
+        if failed {
+            tracing::warn!(%room, reason, "room failed");
+        }
+        failed
+    }
+
+    fn fail_room_with(&self, room: Room, endpoints: Vec<Endpoint>) -> bool {
+        let live = lock(&self.table)
+            .poll(room)
+            .is_some_and(|p| !p.is_terminal());
+        if !live || self.handle(PrefillEvent::LocalAbort { room }).is_err() {
+            return false;
+        }
+        for endpoint in endpoints {
+            self.send_status(room, endpoint, KVPoll::Failed);
+        }
+        true
+    }
+
+    /// The transfer queue of a decode session: all chunks of a room stay on one queue, in order.
+    pub(crate) fn shard_of(&self, session: &SessionId) -> usize {
+        (session.port().unwrap_or(0) % self.queues.len().max(1) as u64) as usize
+    }
+
+    /// Runs `f` on the staging driver (when staging is on) and performs its effects.
+    pub(crate) fn with_staging<R>(
+        &self,
+        f: impl FnOnce(&mut StagingDriver, &mut Vec<Effect>) -> R,
+    ) -> Option<R> {
+        let st = self.staging.as_ref()?;
+        let mut fx = Vec::new();
+        let r = f(&mut lock(st), &mut fx);
+        self.perform(fx);
+        Some(r)
+    }
+
+    /// Performs the staging driver's effects (never under its lock: completions re-enter the
+    /// room manager, which may conclude rooms and call back into the driver).
+    pub(crate) fn perform(&self, effects: Vec<Effect>) {
+        for e in effects {
+            match e {
+                Effect::Send(endpoint, frames) => {
+                    let _ = lock(&self.notices).send(Notice::Send(endpoint, frames));
+                }
+                Effect::Post(work) => {
+                    metrics::counter!("kvx_staged_chunks_posted_total").increment(1);
+                    let shard = self.shard_of(&work.key.session);
+                    let job = Job {
+                        room: work.key.room,
+                        session: work.key.session.clone(),
+                        work: Work::Stage(work),
+                    };
+                    if let Err(e) = self.queues[shard].send(job)
+                        && let Work::Stage(w) = e.0.work
+                    {
+                        self.with_staging(|d, fx| {
+                            d.chunk_done(&w.batches, Err("transfer queue closed".into()), fx)
+                        });
+                    }
+                }
+                Effect::Done(batch_id, result) => {
+                    let _ = self.handle(PrefillEvent::BatchDone { batch_id, result });
+                }
+                Effect::Fail(room, reason) => {
+                    metrics::counter!("kvx_staging_room_failures_total").increment(1);
+                    self.fail_room(room, &reason);
                 }
             }
         }
+    }
+
+    /// Queues a message for the notifier (sent in order after every earlier one).
+    pub(crate) fn notify(&self, notice: Notice) {
+        let _ = lock(&self.notices).send(notice);
     }
 
     /// Queues a 3-frame status message for the notifier.
@@ -344,26 +445,37 @@ impl Shared {
                     ops,
                     ..
                 } => {
-                    let shard = (session.port().unwrap_or(0) % self.queues.len() as u64) as usize;
+                    let shard = self.shard_of(&session);
                     let job = Job {
                         room,
                         session,
-                        batch_id,
-                        ops,
+                        work: Work::Batch { batch_id, ops },
                     };
-                    if let Err(e) = self.queues[shard].send(job) {
-                        let job = e.0;
+                    if self.queues[shard].send(job).is_err() {
                         let _ = self.handle(PrefillEvent::BatchDone {
-                            batch_id: job.batch_id,
+                            batch_id,
                             result: Err("transfer queue closed".into()),
                         });
                     }
                 }
-                PrefillAction::Stage { batch_id, .. } => {
-                    let _ = self.handle(PrefillEvent::BatchDone {
-                        batch_id,
-                        result: Err("staging is not supported by this engine".into()),
+                PrefillAction::Stage {
+                    room,
+                    session,
+                    batch_id,
+                    slice,
+                    src_pages,
+                    ..
+                } => {
+                    let now = Instant::now();
+                    let staged = self.with_staging(|d, fx| {
+                        d.stage(now, room, &session, batch_id, slice, &src_pages, fx);
                     });
+                    if staged.is_none() {
+                        let _ = self.handle(PrefillEvent::BatchDone {
+                            batch_id,
+                            result: Err("staging is off on this prefill rank".into()),
+                        });
+                    }
                 }
                 PrefillAction::FillRoomRow { room, addr, len } => {
                     let _ = self
@@ -397,6 +509,7 @@ impl Shared {
                     }
                     metrics::counter!("kvx_rooms_finished_total", "status" => status.to_string())
                         .increment(1);
+                    self.with_staging(|d, fx| d.conclude(room, fx));
                 }
             }
         }
@@ -441,12 +554,27 @@ impl PrefillEngine {
         rt: tokio::runtime::Handle,
     ) -> Result<PrefillEngine, EngineError> {
         let name = format!("kvx-prefill-{}-{}", std::process::id(), cfg.tp_rank);
-        let plane = DataPlane::client(
-            cfg.backend,
-            &name,
-            cfg.connections,
-            vec![mem.kv.clone(), mem.aux.clone()],
-        )?;
+        let page_size = u64::from(cfg.page_size.max(1));
+        let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)
+            .ok_or_else(|| EngineError::Config("page size 0".into()))?;
+        // sglang's size: one full grid chunk of every local KV buffer (this rank's heads bound
+        // every slice it stages). Zeroed lazily by the allocator: untouched pages cost nothing.
+        let stage_bufs: Vec<Arc<Region>> = if cfg.staging && !mem.mla {
+            let len = grid
+                .full_chunk_pages()
+                .checked_mul(mem.item_len)
+                .and_then(|b| b.checked_mul(mem.kv_ptrs.len() as u64))
+                .and_then(|b| usize::try_from(b).ok())
+                .ok_or_else(|| EngineError::Config("staging buffer size overflows".into()))?;
+            (0..cfg.queues.max(1))
+                .map(|_| Arc::new(Region::new(len)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut regions = vec![mem.kv.clone(), mem.aux.clone()];
+        regions.extend(stage_bufs.iter().cloned());
+        let plane = DataPlane::client(cfg.backend, &name, cfg.connections, regions)?;
         let ctx = zmq::Context::new();
         let inbox = Inbox::bind(
             &ctx,
@@ -484,8 +612,20 @@ impl PrefillEngine {
             bootstrap_timeout: cfg.bootstrap_timeout,
             batch_limits: BatchLimits::new(cfg.max_batch_ops.max(1), cfg.max_batch_bytes.max(1))
                 .map_err(|e| EngineError::Config(e.to_string()))?,
+            staging: !stage_bufs.is_empty(),
             ..kvx_core::PrefillConfig::default()
         };
+        let staging = (!stage_bufs.is_empty()).then(|| {
+            let shape = LocalShape {
+                tp_rank: cfg.tp_rank,
+                tp_size: cfg.tp_size.max(1),
+                total_kv_heads: cfg.total_kv_heads.max(1),
+                page_size,
+                item_len: mem.item_len,
+                num_buffers: mem.kv_ptrs.len(),
+            };
+            Mutex::new(StagingDriver::new(shape, grid, cfg.staging_wait_timeout))
+        });
         let shared = Arc::new(Shared {
             table: Mutex::new(PrefillManager::new(mcfg, local)),
             rooms: Mutex::new(RoomSets::default()),
@@ -497,6 +637,8 @@ impl PrefillEngine {
             events: cfg.events.then(|| Mutex::new(events_tx)),
             fatal: Mutex::new(None),
             fatal_tx: Mutex::new(fatal_tx),
+            staging,
+            stage_bufs,
             cfg,
             mem,
         });
@@ -730,7 +872,12 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
                     ss.push((req.session.clone(), req.endpoint.clone(), !req.is_dummy()));
                 }
             }
+            let total_pages = req.dst.as_ref().map(|d| d.kv_pages.len());
+            let session = req.session.clone();
             let _ = shared.handle(PrefillEvent::Metadata(*req));
+            if let Some(total_pages) = total_pages {
+                open_staging(shared, room, &session, total_pages);
+            }
             if shared.cfg.auto_open {
                 // The synthetic forward pass: every announced room gets a sender.
                 let _ = shared.handle(PrefillEvent::SenderCreated { room });
@@ -752,16 +899,89 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
             metrics::counter!("kvx_aborts_total").increment(1);
             let _ = shared.handle(PrefillEvent::Abort { room, endpoint });
         }
-        PrefillInbound::Staging(kind) => {
-            metrics::counter!("kvx_ignored_messages_total", "kind" => kind).increment(1);
+        PrefillInbound::StagingRsp(rsp) => {
+            let now = Instant::now();
+            match shared.with_staging(|d, fx| d.on_rsp(now, &rsp, fx)) {
+                None => {
+                    metrics::counter!("kvx_ignored_messages_total", "kind" => "staging_rsp")
+                        .increment(1);
+                }
+                Some(Err(e)) => {
+                    // Mostly a response to another rank's request for a room this rank already
+                    // concluded: every prefill rank of a room gets every response.
+                    metrics::counter!("kvx_staging_dropped_total", "kind" => staging_error_kind(&e))
+                        .increment(1);
+                    tracing::debug!(error = %e, "STAGING_RSP dropped");
+                }
+                Some(Ok(())) => {}
+            }
+        }
+        PrefillInbound::Watermark(wm) => {
+            let now = Instant::now();
+            if shared
+                .with_staging(|d, fx| d.on_watermark(now, &wm, fx))
+                .is_none()
+            {
+                metrics::counter!("kvx_ignored_messages_total", "kind" => "watermark").increment(1);
+            }
         }
     }
+}
+
+fn staging_error_kind(e: &kvx_staging::PrefillError) -> &'static str {
+    match e {
+        kvx_staging::PrefillError::UnknownRoom(_) => "unknown_room",
+        kvx_staging::PrefillError::Conflict(_) => "conflict",
+        kvx_staging::PrefillError::TooManyChunks(_) => "too_many_chunks",
+    }
+}
+
+/// Opens the room's staging towards `session` (requests ring space for every chunk) when its
+/// KV takes the staging path. Checked and opened under the manager's lock, so a room that
+/// concludes meanwhile is either not opened or cleaned up by its conclusion.
+fn open_staging(shared: &Shared, room: Room, session: &SessionId, total_pages: usize) {
+    let Some(st) = &shared.staging else {
+        return;
+    };
+    let mut fx = Vec::new();
+    {
+        let table = lock(&shared.table);
+        let open = table.poll(room).is_some_and(|p| !p.is_terminal());
+        if !open || table.path_for(session) != Some(TransferPath::Staging) {
+            return;
+        }
+        if let Some(reg) = table.registration(session) {
+            lock(st).open(room, reg, total_pages, &mut fx);
+        }
+    }
+    shared.perform(fx);
 }
 
 fn timer_loop(shared: &Shared) {
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         let _ = shared.handle(PrefillEvent::Tick);
+        let now = Instant::now();
+        // Rooms the manager no longer holds are forgotten (a safety net behind conclusions);
+        // the manager's lock is never taken under the driver's.
+        let held = shared.with_staging(|d, _| d.rooms()).unwrap_or_default();
+        let gone: Vec<Room> = {
+            let table = lock(&shared.table);
+            held.into_iter()
+                .filter(|r| table.poll(*r).is_none())
+                .collect()
+        };
+        let staged = shared.with_staging(|d, fx| {
+            d.expire(now, fx);
+            for room in gone {
+                d.conclude(room, fx);
+            }
+            (d.room_count(), d.parked_count())
+        });
+        if let Some((rooms, parked)) = staged {
+            metrics::gauge!("kvx_staging_rooms").set(rooms as f64);
+            metrics::gauge!("kvx_staging_parked_chunks").set(parked as f64);
+        }
         let mut counts = [0usize; 5];
         let live = {
             let m = lock(&shared.table);

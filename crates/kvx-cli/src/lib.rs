@@ -22,6 +22,7 @@
 pub mod bootstrap_cmd;
 pub mod config;
 pub mod decode;
+pub mod decode_staging;
 pub mod demo;
 pub mod engine;
 pub mod fault;
@@ -31,6 +32,7 @@ pub mod model;
 pub mod pages;
 pub mod plane;
 pub mod prefill_cmd;
+pub mod prefill_staging;
 pub mod region;
 pub mod telemetry;
 pub mod wire;

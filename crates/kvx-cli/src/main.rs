@@ -72,6 +72,10 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         room_base: a.room_base,
         progress: !a.no_progress,
         backend: kvx_cli::plane::Backend::Tcp,
+        staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
+            ring_bytes: a.staging_ring_mib.max(1) << 20,
+            chunked_prefill_size: a.staging.chunked_prefill_size,
+        }),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -92,6 +92,9 @@ pub fn start_rank(
         connections: args.connections.max(1),
         page_size: u32::try_from(m.page_size).unwrap_or(u32::MAX),
         backend,
+        staging: args.staging.staging,
+        chunked_prefill_size: args.staging.chunked_prefill_size,
+        staging_wait_timeout: Duration::from_secs_f64(args.staging_wait_timeout.max(0.0)),
     };
     let model = SyntheticModel {
         layout,

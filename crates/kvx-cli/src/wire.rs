@@ -2,12 +2,14 @@
 //!
 //! A thin adapter over `kvx_bootstrap::codec`: owned forms of what each inbox receives, and the
 //! encoders the drivers use (registration, metadata, ABORT from a decode; status and ABORT_ACK
-//! from a prefill). Every malformed frame is a typed [`WireError`]; nothing panics on input.
+//! from a prefill; the staging messages both ways, converted to and from `kvx-staging`'s plain
+//! forms). Every malformed frame is a typed [`WireError`]; nothing panics on input.
 
 use kvx_core::{DecodeRegistration, Endpoint, KVPoll, Room, TransferRequest};
 
 use kvx_bootstrap::codec::{self, Abort, AbortAck, TransferStatus};
 pub use kvx_bootstrap::codec::{CodecError as WireError, Frames};
+use kvx_staging::{ChunkReady, RspPlacement, StagingReq, StagingRsp, Watermark, WatermarkMsg};
 
 /// What a prefill inbox can receive.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,8 +25,10 @@ pub enum PrefillInbound {
         /// Where the ack goes.
         endpoint: Endpoint,
     },
-    /// A staging message (`WATERMARK`, `STAGING_RSP`) this prefill does not use.
-    Staging(&'static str),
+    /// `STAGING_RSP`: where a decode placed one staged chunk.
+    StagingRsp(StagingRsp),
+    /// `WATERMARK`: how far a decode's staging ring is free.
+    Watermark(WatermarkMsg),
 }
 
 /// Parses a message received on a prefill inbox.
@@ -36,9 +40,80 @@ pub fn parse_prefill_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<PrefillInbo
             room: a.room,
             endpoint: a.endpoint,
         },
-        codec::PrefillInbound::StagingRsp(_) => PrefillInbound::Staging("STAGING_RSP"),
-        codec::PrefillInbound::Watermark(_) => PrefillInbound::Staging("WATERMARK"),
+        codec::PrefillInbound::StagingRsp(r) => PrefillInbound::StagingRsp(staging_rsp(r)?),
+        codec::PrefillInbound::Watermark(w) => PrefillInbound::Watermark(WatermarkMsg {
+            watermark: Watermark::from_wire(w.round, w.tail).ok_or(WireError::BadSentinel {
+                field: "watermark.round",
+                value: w.round,
+            })?,
+            session: w.session,
+        }),
     })
+}
+
+/// A `STAGING_RSP` whose placement a decode can send (the codec already refused unknown
+/// sentinels; a negative round or an end before the offset is refused here).
+fn staging_rsp(r: codec::StagingRsp) -> Result<StagingRsp, WireError> {
+    let placement =
+        RspPlacement::from_wire(r.offset, r.round, r.end).ok_or(WireError::BadSentinel {
+            field: "staging_rsp.round",
+            value: r.round,
+        })?;
+    Ok(StagingRsp {
+        room: r.room,
+        chunk_idx: r.chunk_idx,
+        placement,
+        session: r.session,
+    })
+}
+
+/// Encodes `STAGING_REQ` (6 frames: the requester's pp rank is always sent, as sglang does).
+pub fn encode_staging_req(r: &StagingReq) -> Frames {
+    codec::StagingReq {
+        room: r.room,
+        chunk_idx: r.chunk_idx,
+        chunk_num_pages: r.chunk_pages,
+        session: r.session.clone(),
+        pp_rank: Some(r.pp_rank.unwrap_or(0)),
+    }
+    .encode()
+}
+
+/// Encodes `STAGING_RSP`.
+pub fn encode_staging_rsp(r: &StagingRsp) -> Frames {
+    let (offset, round, end) = r.placement.to_wire();
+    codec::StagingRsp {
+        room: r.room,
+        chunk_idx: r.chunk_idx,
+        offset,
+        round,
+        end,
+        session: r.session.clone(),
+    }
+    .encode()
+}
+
+/// Encodes `WATERMARK` (4 frames).
+pub fn encode_watermark(w: &WatermarkMsg) -> Frames {
+    codec::Watermark {
+        round: i64::try_from(w.watermark.round).unwrap_or(i64::MAX),
+        tail: w.watermark.tail,
+        session: w.session.clone(),
+    }
+    .encode()
+}
+
+/// Encodes `CHUNK_READY` (7 frames when the rank is known).
+pub fn encode_chunk_ready(c: &ChunkReady) -> Frames {
+    codec::ChunkReady {
+        room: c.room,
+        chunk_idx: c.chunk_idx,
+        page_start: c.page_start,
+        num_pages: c.num_pages,
+        session: c.session.clone(),
+        prefill_rank: c.prefill_unique_rank,
+    }
+    .encode()
 }
 
 /// Encodes a registration.
@@ -96,7 +171,11 @@ pub enum DecodeInbound {
     },
     /// `ABORT_ACK` for a room.
     AbortAck(Room),
-    /// A message kind this decode does not use (`AUX_DATA`, `CHUNK_READY`, `STAGING_REQ`).
+    /// `STAGING_REQ`: a prefill rank asks for ring space for one chunk.
+    StagingReq(StagingReq),
+    /// `CHUNK_READY`: a prefill rank finished writing its block of a chunk.
+    ChunkReady(ChunkReady),
+    /// A message kind this decode does not use (`AUX_DATA`).
     Other(&'static str),
 }
 
@@ -110,6 +189,21 @@ pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInboun
             reason: s.reason,
         },
         codec::DecodeInbound::AbortAck(a) => DecodeInbound::AbortAck(a.room),
+        codec::DecodeInbound::StagingReq(r) => DecodeInbound::StagingReq(StagingReq {
+            room: r.room,
+            chunk_idx: r.chunk_idx,
+            chunk_pages: r.chunk_num_pages,
+            session: r.session,
+            pp_rank: r.pp_rank,
+        }),
+        codec::DecodeInbound::ChunkReady(c) => DecodeInbound::ChunkReady(ChunkReady {
+            room: c.room,
+            chunk_idx: c.chunk_idx,
+            page_start: c.page_start,
+            num_pages: c.num_pages,
+            session: c.session,
+            prefill_unique_rank: c.prefill_rank,
+        }),
         other => DecodeInbound::Other(other.kind()),
     })
 }
@@ -209,6 +303,120 @@ mod tests {
         );
         assert!(parse_decode_inbound(&[b"7".to_vec(), b"4".to_vec()]).is_err());
         assert!(parse_prefill_inbound(&[b"garbage".to_vec()]).is_err());
+    }
+
+    fn strs(f: &Frames) -> Vec<&str> {
+        f.iter().map(|x| std::str::from_utf8(x).unwrap()).collect()
+    }
+
+    #[test]
+    fn staging_messages_match_spec_examples() {
+        let room = Room::new(1_234_567_890_123_456_789).unwrap();
+        let s = SessionId::new("10.0.0.2:15234");
+        let req = StagingReq {
+            room,
+            chunk_idx: 0,
+            chunk_pages: 64,
+            session: s.clone(),
+            pp_rank: None,
+        };
+        let f = encode_staging_req(&req);
+        assert_eq!(
+            strs(&f),
+            [
+                "STAGING_REQ",
+                "1234567890123456789",
+                "0",
+                "64",
+                "10.0.0.2:15234",
+                "0"
+            ]
+        );
+        assert_eq!(
+            parse_decode_inbound(&f),
+            Ok(DecodeInbound::StagingReq(StagingReq {
+                pp_rank: Some(0),
+                ..req
+            }))
+        );
+        let rsp = StagingRsp {
+            room,
+            chunk_idx: 0,
+            placement: RspPlacement::At(kvx_staging::Placement {
+                offset: 0,
+                round: 0,
+                end: 8_388_608,
+            }),
+            session: s.clone(),
+        };
+        let f = encode_staging_rsp(&rsp);
+        assert_eq!(
+            strs(&f),
+            [
+                "STAGING_RSP",
+                "1234567890123456789",
+                "0",
+                "0",
+                "0",
+                "8388608",
+                "10.0.0.2:15234"
+            ]
+        );
+        assert_eq!(
+            parse_prefill_inbound(&f),
+            Ok(PrefillInbound::StagingRsp(rsp))
+        );
+        let wm = WatermarkMsg {
+            watermark: Watermark {
+                round: 3,
+                tail: 16_777_216,
+            },
+            session: s.clone(),
+        };
+        let f = encode_watermark(&wm);
+        assert_eq!(strs(&f), ["WATERMARK", "3", "16777216", "10.0.0.2:15234"]);
+        assert_eq!(parse_prefill_inbound(&f), Ok(PrefillInbound::Watermark(wm)));
+        let ready = ChunkReady {
+            room,
+            chunk_idx: 0,
+            page_start: 0,
+            num_pages: 64,
+            session: s,
+            prefill_unique_rank: Some(1),
+        };
+        let f = encode_chunk_ready(&ready);
+        assert_eq!(
+            strs(&f),
+            [
+                "CHUNK_READY",
+                "1234567890123456789",
+                "0",
+                "0",
+                "64",
+                "10.0.0.2:15234",
+                "1"
+            ]
+        );
+        assert_eq!(
+            parse_decode_inbound(&f),
+            Ok(DecodeInbound::ChunkReady(ready))
+        );
+        // Oversized round-trips; a negative round or an end before the offset is refused.
+        let over = StagingRsp {
+            room,
+            chunk_idx: 1,
+            placement: RspPlacement::Oversized,
+            session: SessionId::new("d:1"),
+        };
+        assert_eq!(
+            parse_prefill_inbound(&encode_staging_rsp(&over)),
+            Ok(PrefillInbound::StagingRsp(over))
+        );
+        let bad =
+            |f: &[&str]| parse_prefill_inbound(&f.iter().map(|x| x.as_bytes()).collect::<Vec<_>>());
+        assert!(bad(&["STAGING_RSP", "7", "0", "8", "-1", "16", "d:1"]).is_err());
+        assert!(bad(&["STAGING_RSP", "7", "0", "8", "0", "4", "d:1"]).is_err());
+        assert!(bad(&["WATERMARK", "-1", "0", "d:1"]).is_err());
     }
 
     proptest! {

@@ -4,7 +4,10 @@
 //! A worker pops a batch the `kvx-core` prefill manager planned, posts it on its cached
 //! `kvx-rdma` session to the decode and feeds the completion back (`BatchDone`). A per-room error
 //! (a failed or rejected write, a lost peer) comes back as `Ok(Err(reason))` and only fails that
-//! room. A fatal fault — a panic, an injected fault — ends the worker; the supervisor turns it
+//! room. A staged chunk ([`Work::Stage`]) is first gathered into the worker's registered staging
+//! buffer, written with one op into the decode's ring, and announced with `CHUNK_READY` before
+//! its completion goes back (so it precedes the room's status on the decode's socket). A fatal
+//! fault — a panic, an injected fault — ends the worker; the supervisor turns it
 //! into [`TransferThreadFailed`], counts it by cause, fails every open room through the manager's
 //! `Fatal` event (every decode gets status 0), and restarts the worker or hands the error to the
 //! process.
@@ -20,20 +23,33 @@ use kvx_core::prefill::{BatchId, PrefillEvent};
 use kvx_core::{KVPoll, Room, SessionId, TransferOp};
 use kvx_rdma::{Session, TransportError};
 
-use crate::engine::Shared;
+use crate::engine::{Notice, Shared};
 use crate::fault::{TransferThreadFailed, WorkerFault};
+use crate::prefill_staging::StageWork;
 
-/// One planned batch of writes to one decode session.
+/// One unit of work for a transfer worker, towards one decode session.
 #[derive(Debug)]
 pub struct Job {
     /// The room.
     pub room: Room,
     /// The decode session.
     pub session: SessionId,
-    /// The manager's id for the completion.
-    pub batch_id: BatchId,
-    /// The writes.
-    pub ops: Vec<TransferOp>,
+    /// What to write.
+    pub work: Work,
+}
+
+/// What a job writes.
+#[derive(Debug)]
+pub enum Work {
+    /// A planned batch of writes, reported to the manager as `batch_id`.
+    Batch {
+        /// The manager's id for the completion.
+        batch_id: BatchId,
+        /// The writes.
+        ops: Vec<TransferOp>,
+    },
+    /// A staged chunk: gather, one write into the decode's ring, `CHUNK_READY`.
+    Stage(Box<StageWork>),
 }
 
 /// The queue end a worker (and its replacement) reads.
@@ -72,7 +88,7 @@ fn spawn_worker(
         .name(format!("kvx-transfer-{shard}"))
         .spawn(move || {
             let result =
-                std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, &queue)))
+                std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, shard, &queue)))
                     .unwrap_or_else(|p| Err(WorkerFault::from_panic(p.as_ref())));
             metrics::gauge!("kvx_live_workers").decrement(1.0);
             let _ = exit.send(Exit { shard, result });
@@ -120,7 +136,11 @@ fn supervise(
     }
 }
 
-fn worker_loop(shared: &Shared, queue: &Mutex<Receiver<Job>>) -> Result<(), WorkerFault> {
+fn worker_loop(
+    shared: &Shared,
+    shard: usize,
+    queue: &Mutex<Receiver<Job>>,
+) -> Result<(), WorkerFault> {
     let mut sessions: HashMap<SessionId, (Arc<dyn Session>, Instant)> = HashMap::new();
     loop {
         if shared.stop.load(Ordering::Relaxed) {
@@ -135,41 +155,94 @@ fn worker_loop(shared: &Shared, queue: &Mutex<Receiver<Job>>) -> Result<(), Work
             }
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         };
-        let result = execute(shared, &mut sessions, job.room, &job.session, job.ops)?;
+        let Job {
+            room,
+            session,
+            mut work,
+        } = job;
+        let result = execute(shared, shard, &mut sessions, room, &session, &mut work)?;
         match result {
-            Outcome::Done => {
-                let _ = shared.handle(PrefillEvent::BatchDone {
-                    batch_id: job.batch_id,
-                    result: Ok(()),
-                });
-            }
+            Outcome::Done => complete(shared, work, Ok(()), true),
+            Outcome::Skipped => complete(shared, work, Ok(()), false),
             Outcome::PeerFailed(reason) => {
                 // sglang's rule: a failed transfer blacklists the decode session; every other
                 // open room writing to it fails now rather than one chunk at a time.
-                let _ = shared.handle(PrefillEvent::BatchDone {
-                    batch_id: job.batch_id,
-                    result: Err(reason.clone()),
-                });
-                shared.fail_session_rooms(&job.session, &reason);
+                complete(shared, work, Err(reason.clone()), false);
+                shared.fail_session_rooms(&session, &reason);
             }
             Outcome::RoomFailed(reason) => {
                 // One room's problem: fail it, tell its decode, keep the session usable.
-                tracing::warn!(room = %job.room, %reason, "room failed");
+                tracing::warn!(%room, %reason, "room failed");
                 let endpoint = lock(&shared.table)
-                    .registration(&job.session)
+                    .registration(&session)
                     .map(|r| r.endpoint.clone());
-                let _ = shared.handle(PrefillEvent::LocalAbort { room: job.room });
+                let _ = shared.handle(PrefillEvent::LocalAbort { room });
                 if let Some(endpoint) = endpoint {
-                    shared.send_status(job.room, endpoint, KVPoll::Failed);
+                    shared.send_status(room, endpoint, KVPoll::Failed);
                 }
-                let _ = shared.handle(PrefillEvent::BatchDone {
-                    batch_id: job.batch_id,
-                    result: Ok(()),
-                });
+                complete(shared, work, Ok(()), false);
             }
         }
         sessions.retain(|_, (s, _)| s.is_alive());
     }
+}
+
+/// Reports a finished job: a batch to the manager; a staged chunk to the staging driver, after
+/// its `CHUNK_READY` when it was `written`.
+fn complete(shared: &Shared, work: Work, result: Result<(), String>, written: bool) {
+    match work {
+        Work::Batch { batch_id, .. } => {
+            let _ = shared.handle(PrefillEvent::BatchDone { batch_id, result });
+        }
+        Work::Stage(w) => {
+            if written {
+                let rank = lock(&shared.table).prefill_unique_rank();
+                let frames = crate::wire::encode_chunk_ready(&w.chunk_ready(rank));
+                shared.notify(Notice::Send(w.endpoint.clone(), frames));
+            }
+            shared.with_staging(|d, fx| d.chunk_done(&w.batches, result, fx));
+        }
+    }
+}
+
+/// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
+/// the chunk's own pages are borrowed), and returns the one write that carries the block.
+fn gather_chunk(shared: &Shared, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
+    let buf = shared
+        .stage_bufs
+        .get(shard)
+        .ok_or("no staging buffer for this queue")?;
+    let n = w.src_pages.len();
+    let page_bytes = w.spec.block_len(1, 1);
+    let need = w.spec.block_len(shared.mem.kv_ptrs.len(), n);
+    if need as u64 != w.len || w.len > buf.len() {
+        return Err(format!(
+            "staged block of {} bytes does not match the slice ({need}) or the buffer ({})",
+            w.len,
+            buf.len()
+        ));
+    }
+    let kv = &shared.mem.kv;
+    let item = w.spec.item_len as u64;
+    buf.write_with(buf.base(), w.len, |out| {
+        for (b, &ptr) in shared.mem.kv_ptrs.iter().enumerate() {
+            for (i, &page) in w.src_pages.iter().enumerate() {
+                let page = u64::try_from(page).map_err(|_| format!("negative page {page}"))?;
+                let addr = page
+                    .checked_mul(item)
+                    .and_then(|o| o.checked_add(ptr))
+                    .ok_or_else(|| "page address overflows".to_owned())?;
+                let src = kv.read(addr, item).map_err(|e| e.to_string())?;
+                let at = (b * n + i) * page_bytes;
+                kvx_staging::gather(&w.spec, &[src], &[0], &mut out[at..at + page_bytes])
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok::<(), String>(())
+    })
+    .map_err(|e| e.to_string())??;
+    metrics::counter!("kvx_staged_bytes_total").increment(w.len);
+    Ok(TransferOp::new(buf.base(), w.dst, w.len))
 }
 
 /// Data sessions idle this long are closed.
@@ -179,6 +252,8 @@ const SESSION_IDLE: Duration = Duration::from_secs(2);
 enum Outcome {
     /// Every write landed.
     Done,
+    /// Nothing written: the room is no longer waiting for input (failed or gone meanwhile).
+    Skipped,
     /// The decode session is unusable (unreachable, lost): fails the room, blacklists the session.
     PeerFailed(String),
     /// Only this room is affected (rejected writes, an injected per-room fault).
@@ -189,10 +264,11 @@ enum Outcome {
 /// also drops the cached session so the next batch reconnects).
 fn execute(
     shared: &Shared,
+    shard: usize,
     sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
     room: Room,
     session: &SessionId,
-    ops: Vec<TransferOp>,
+    work: &mut Work,
 ) -> Result<Outcome, WorkerFault> {
     // Batches queued before their room or session failed are completed without any work: a room
     // failed meanwhile needs nothing more, and a session already found dead fails the room at
@@ -201,7 +277,7 @@ fn execute(
     {
         let table = lock(&shared.table);
         if table.poll(room) != Some(KVPoll::WaitingForInput) {
-            return Ok(Outcome::Done);
+            return Ok(Outcome::Skipped);
         }
         if table.session_failed(session, Instant::now()) {
             drop(table);
@@ -226,8 +302,20 @@ fn execute(
     ));
     if lock(&shared.table).poll(room) != Some(KVPoll::WaitingForInput) {
         // Failed (or gone) while the fault points ran: nothing to write.
-        return Ok(Outcome::Done);
+        return Ok(Outcome::Skipped);
     }
+    let ops = match work {
+        Work::Batch { ops, .. } => std::mem::take(ops),
+        Work::Stage(w) => match gather_chunk(shared, shard, w) {
+            Ok(op) => vec![op],
+            Err(e) => {
+                return Ok(Outcome::RoomFailed(format!(
+                    "staging chunk {} of {room}: {e}",
+                    w.key.chunk_idx
+                )));
+            }
+        },
+    };
     let s = match sessions.get_mut(session) {
         Some((s, used)) if s.is_alive() => {
             *used = Instant::now();

@@ -71,6 +71,7 @@ fn embedded_sender_serves_a_decode() {
         room_base: Some(1000),
         progress: false,
         backend: kvx_cli::plane::Backend::Tcp,
+        staging: None,
     };
     let decode = rt.spawn(decode::run(dcfg));
 

@@ -1,0 +1,286 @@
+//! The decode peer's staging side: its ring, `kvx-staging`'s [`DecodeStaging`] state machine,
+//! and the scatter from the ring into the room's KV pages.
+//!
+//! The ring is a registered [`Region`] advertised in the registration (frames 14/15). A room on
+//! the staging path is registered here before its metadata goes out; `STAGING_REQ`s are answered
+//! with placements (`STAGING_RSP` to every prefill rank of the room, plus the current watermark
+//! once); when every writer of a chunk sent `CHUNK_READY` its block is scattered into the room's
+//! pages at once, on the caller's thread, before the next message of the inbox is read — so a
+//! prefill rank's status, sent after its `CHUNK_READY`s on the same socket, always finds its
+//! chunks in place. Each scatter frees its ring region and the new watermark goes to every
+//! subscribed prefill rank. A failed room's regions a prefill may still be writing stay fenced
+//! until the caller releases them after its grace period.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvx_core::{Endpoint, Room, SessionId, StagingRingInfo};
+use kvx_staging::{
+    ChunkGrid, ChunkReady, CopyError, DecodeAction, DecodeError, DecodeRoom, DecodeStaging,
+    RoomGrid, ScatterJob, SliceSpec, StagedLayout, StagingReq, TpGeometry,
+};
+
+use crate::model::KvLayout;
+use crate::region::{OutOfBounds, Region};
+use crate::wire::{self, Frames};
+
+/// A message to send to a prefill rank's inbox.
+pub type Outgoing = (Endpoint, Frames);
+
+/// Why a staging message was refused (logged, counted and dropped by the decode).
+#[derive(Debug, thiserror::Error)]
+pub enum StagingError {
+    /// The state machine refused it (unknown room, wrong session, chunk off the grid, …).
+    #[error(transparent)]
+    State(#[from] DecodeError),
+    /// The scatter's geometry did not fit the pages.
+    #[error("scatter: {0}")]
+    Copy(#[from] CopyError),
+    /// A ring or page range outside its region.
+    #[error("scatter: {0}")]
+    Bounds(#[from] OutOfBounds),
+    /// The room's geometry is unusable.
+    #[error("staging geometry: {0}")]
+    Geometry(String),
+}
+
+impl StagingError {
+    /// A stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StagingError::State(DecodeError::UnknownRoom(_)) => "unknown_room",
+            StagingError::State(DecodeError::RoomExists(_)) => "room_exists",
+            StagingError::State(DecodeError::WrongSession { .. }) => "wrong_session",
+            StagingError::State(DecodeError::ChunkOutOfGrid { .. }) => "chunk_out_of_grid",
+            StagingError::State(DecodeError::ChunkMismatch { .. }) => "chunk_mismatch",
+            StagingError::State(DecodeError::ChunkNotAllocated { .. }) => "chunk_not_allocated",
+            StagingError::State(DecodeError::NotScattering { .. }) => "not_scattering",
+            StagingError::Copy(_) => "scatter_geometry",
+            StagingError::Bounds(_) => "scatter_bounds",
+            StagingError::Geometry(_) => "geometry",
+        }
+    }
+}
+
+struct Inner {
+    state: DecodeStaging<Endpoint>,
+    /// Per staged room: its destination pages and chunk layout.
+    rooms: HashMap<Room, (Vec<i32>, StagedLayout)>,
+}
+
+/// The decode's staging ring and staged rooms.
+pub struct DecodeStager {
+    inner: Mutex<Inner>,
+    ring: Arc<Region>,
+    kv: Arc<Region>,
+    layout: KvLayout,
+    grid: ChunkGrid,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl DecodeStager {
+    /// A stager for session `session` scattering into `kv` (laid out as `layout`) from `ring`
+    /// (registered by the caller), on the grid of `chunked_prefill_size` tokens.
+    pub fn new(
+        session: SessionId,
+        ring: Arc<Region>,
+        kv: Arc<Region>,
+        layout: KvLayout,
+        chunked_prefill_size: i64,
+    ) -> Result<Self, StagingError> {
+        let grid = ChunkGrid::new(Some(chunked_prefill_size), layout.page_size)
+            .ok_or_else(|| StagingError::Geometry("page size 0".into()))?;
+        Ok(DecodeStager {
+            inner: Mutex::new(Inner {
+                state: DecodeStaging::new(session, ring.len()),
+                rooms: HashMap::new(),
+            }),
+            ring,
+            kv,
+            layout,
+            grid,
+        })
+    }
+
+    /// What the registration advertises (frames 14/15).
+    pub fn ring_info(&self) -> StagingRingInfo {
+        StagingRingInfo {
+            base: Some(self.ring.base()),
+            size: Some(self.ring.len()),
+        }
+    }
+
+    /// Registers a room before its metadata goes out: `peers` are the prefill ranks that write
+    /// its KV (non-dummy targets), `pages` its destination pages, `geom` the two TP sizes and
+    /// `decode_rank` this rank.
+    pub fn register_room(
+        &self,
+        room: Room,
+        peers: Vec<Endpoint>,
+        pages: &[i32],
+        geom: &TpGeometry,
+        decode_rank: u32,
+    ) -> Result<(), StagingError> {
+        let layers = u32::try_from(self.layout.num_buffers / 2)
+            .map_err(|_| StagingError::Geometry("too many KV buffers".into()))?;
+        let layout = StagedLayout::for_decode(
+            geom,
+            decode_rank,
+            layers,
+            self.layout.head_bytes,
+            self.layout.page_size,
+        );
+        let grid = RoomGrid::from_pages(self.grid, pages.len() as u64);
+        let mut inner = lock(&self.inner);
+        inner.state.register_room(
+            room,
+            DecodeRoom {
+                peers,
+                grid,
+                layout: layout.clone(),
+            },
+        )?;
+        inner.rooms.insert(room, (pages.to_vec(), layout));
+        Ok(())
+    }
+
+    /// `STAGING_REQ`: the placement (and, on the room's first request, the watermark) to send.
+    pub fn on_staging_req(&self, req: &StagingReq) -> Result<Vec<Outgoing>, StagingError> {
+        let actions = lock(&self.inner).state.on_staging_req(req)?;
+        metrics::counter!("kvx_decode_staging_requests_total").increment(1);
+        Ok(outgoing(actions))
+    }
+
+    /// `CHUNK_READY`: once every writer of the chunk reported, scatters it (on this thread) and
+    /// returns the watermark broadcast that frees its region.
+    pub fn on_chunk_ready(&self, msg: &ChunkReady) -> Result<Vec<Outgoing>, StagingError> {
+        let mut inner = lock(&self.inner);
+        let mut out = Vec::new();
+        for a in inner.state.on_chunk_ready(msg)? {
+            let DecodeAction::Scatter(job) = a else {
+                out.push(a);
+                continue;
+            };
+            // The state machine keeps the region live until `on_scatter_done`: a failed scatter
+            // still frees it (the room fails by its bytes, not by a stuck ring).
+            let scattered = match inner.rooms.get(&job.room) {
+                Some((pages, layout)) => self.scatter(&job, pages, layout),
+                None => Err(DecodeError::UnknownRoom(job.room).into()),
+            };
+            out.extend(inner.state.on_scatter_done(job.room, job.chunk_idx)?);
+            scattered?;
+            metrics::counter!("kvx_decode_staged_chunks_total").increment(1);
+        }
+        Ok(outgoing(out))
+    }
+
+    /// Copies every writer's block of a chunk from the ring into the room's pages, one page of
+    /// one buffer at a time (only the room's own pages are borrowed).
+    fn scatter(
+        &self,
+        job: &ScatterJob,
+        pages: &[i32],
+        layout: &StagedLayout,
+    ) -> Result<(), StagingError> {
+        let l = &self.layout;
+        let start = usize::try_from(job.page_start).unwrap_or(usize::MAX);
+        let n = usize::try_from(job.num_pages).unwrap_or(usize::MAX);
+        let chunk_pages = start
+            .checked_add(n)
+            .and_then(|end| pages.get(start..end))
+            .ok_or_else(|| StagingError::Geometry("chunk pages beyond the room".into()))?;
+        let usize_of = |v: u64| {
+            usize::try_from(v).map_err(|_| StagingError::Geometry("size overflows".into()))
+        };
+        for (w, wr) in layout.writers.iter().enumerate() {
+            let spec = SliceSpec {
+                page_size: usize_of(l.page_size)?,
+                bytes_per_head_token: usize_of(l.head_bytes)?,
+                item_len: usize_of(l.item_len)?,
+                head: wr.dst_head as usize,
+                n_heads: wr.heads as usize,
+            };
+            let off = job
+                .placement
+                .offset
+                .checked_add(layout.writer_offset(w, job.num_pages))
+                .ok_or_else(|| StagingError::Geometry("ring offset overflows".into()))?;
+            let len = layout.writer_bytes(w, job.num_pages);
+            let block = self.ring.read(self.ring.base().saturating_add(off), len)?;
+            let page_bytes = spec.block_len(1, 1);
+            if spec.block_len(l.num_buffers, n) != block.len() {
+                return Err(StagingError::Geometry(format!(
+                    "writer block of {} bytes for {n} pages of {} buffers",
+                    block.len(),
+                    l.num_buffers
+                )));
+            }
+            for b in 0..l.num_buffers {
+                let base = l.buffer_addr(self.kv.base(), b);
+                for (i, &page) in chunk_pages.iter().enumerate() {
+                    let page = u64::try_from(page)
+                        .map_err(|_| StagingError::Geometry(format!("negative page {page}")))?;
+                    let addr = base.saturating_add(page.saturating_mul(l.item_len));
+                    let at = (b * n + i) * page_bytes;
+                    let src = &block[at..at + page_bytes];
+                    self.kv.write_with(addr, l.item_len, |dst| {
+                        kvx_staging::scatter(&spec, src, &mut [dst], &[0])
+                    })??;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The room concluded: on success its regions are freed; on failure those a prefill may
+    /// still be writing stay fenced until [`DecodeStager::release_fenced`]. Returns the
+    /// watermark broadcast, and on success whether every chunk was scattered.
+    pub fn finish_room(&self, room: Room, success: bool) -> (Vec<Outgoing>, bool) {
+        let mut inner = lock(&self.inner);
+        let drained = inner.state.room_drained(room) && !inner.state.room_oversized(room);
+        inner.rooms.remove(&room);
+        let actions = if success {
+            inner.state.release_room(room)
+        } else {
+            inner.state.abort_room(room)
+        };
+        (outgoing(actions), drained)
+    }
+
+    /// Frees a failed room's fenced regions (its grace period is over).
+    pub fn release_fenced(&self, room: Room) -> Vec<Outgoing> {
+        outgoing(lock(&self.inner).state.release_fenced(room))
+    }
+
+    /// Staged rooms, live ring allocations and fenced rooms.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let inner = lock(&self.inner);
+        (
+            inner.state.room_count(),
+            inner.state.live_allocations(),
+            inner.state.fenced_count(),
+        )
+    }
+}
+
+/// The messages behind the state machine's send actions.
+fn outgoing(actions: Vec<DecodeAction<Endpoint>>) -> Vec<Outgoing> {
+    let mut out = Vec::new();
+    for a in actions {
+        match a {
+            DecodeAction::Respond { to, rsp, .. } => {
+                let frames = wire::encode_staging_rsp(&rsp);
+                out.extend(to.into_iter().map(|ep| (ep, frames.clone())));
+            }
+            DecodeAction::Watermark { to, msg } => {
+                let frames = wire::encode_watermark(&msg);
+                out.extend(to.into_iter().map(|ep| (ep, frames.clone())));
+            }
+            DecodeAction::Scatter(_) => {}
+        }
+    }
+    out
+}
