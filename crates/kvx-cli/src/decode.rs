@@ -120,6 +120,8 @@ pub struct Summary {
     pub latencies_ms: Vec<f64>,
     /// Failure reasons and how many rooms each.
     pub failure_reasons: HashMap<String, usize>,
+    /// Chunks that arrived through the staging ring and were scattered (0 without staging).
+    pub staged_chunks: u64,
 }
 
 /// One room's outcome as reported by the prefill ranks.
@@ -600,6 +602,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     drop(plane);
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
+    s.staged_chunks = peer.stager.as_ref().map_or(0, |st| st.scattered());
     s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;
     s.latencies_ms = lat.clone();
     lat.sort_by(f64::total_cmp);

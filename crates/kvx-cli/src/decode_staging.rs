@@ -12,6 +12,7 @@
 //! until the caller releases them after its grace period.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvx_core::{Endpoint, Room, SessionId, StagingRingInfo};
@@ -75,6 +76,7 @@ pub struct DecodeStager {
     kv: Arc<Region>,
     layout: KvLayout,
     grid: ChunkGrid,
+    scattered: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -102,6 +104,7 @@ impl DecodeStager {
             kv,
             layout,
             grid,
+            scattered: AtomicU64::new(0),
         })
     }
 
@@ -172,6 +175,7 @@ impl DecodeStager {
             };
             out.extend(inner.state.on_scatter_done(job.room, job.chunk_idx)?);
             scattered?;
+            self.scattered.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("kvx_decode_staged_chunks_total").increment(1);
         }
         Ok(outgoing(out))
@@ -253,6 +257,11 @@ impl DecodeStager {
     /// Frees a failed room's fenced regions (its grace period is over).
     pub fn release_fenced(&self, room: Room) -> Vec<Outgoing> {
         outgoing(lock(&self.inner).state.release_fenced(room))
+    }
+
+    /// Chunks scattered from the ring so far.
+    pub fn scattered(&self) -> u64 {
+        self.scattered.load(Ordering::Relaxed)
     }
 
     /// Staged rooms, live ring allocations and fenced rooms.

@@ -69,10 +69,10 @@ fn hetero_case(
     pt: u32,
     dt: u32,
     requests: usize,
-    extra: &[String],
+    extra: &Extra,
 ) -> Result<Result<String, String>> {
     let popts = PrefillOpts {
-        extra: extra.to_vec(),
+        extra: extra.prefill.clone(),
         ..PrefillOpts::default()
     };
     let boot = common::bootstrap(ctx, 0)?;
@@ -93,7 +93,7 @@ fn hetero_case(
     for r in 0..dt {
         let mut o = DecodeOpts::new(requests, 256);
         o.tp_rank = r;
-        o.extra = extra.to_vec();
+        o.extra = extra.decode.clone();
         let host = if r == 0 { 1 } else { 2 };
         decodes.push(common::decode(
             ctx,
@@ -117,7 +117,20 @@ fn hetero_case(
                 .unwrap_or_default();
             return Ok(Err(format!("{why}{cause}")));
         }
-        figures.push(format!("rank {r}: {}/{} verified", s.verified, s.requests));
+        if extra.staged && s.staged_chunks == 0 {
+            return Ok(Err(format!(
+                "TP{pt}->TP{dt} decode rank {r}: no chunk came through the staging ring"
+            )));
+        }
+        let staged = if extra.staged {
+            format!(", {} chunks staged", s.staged_chunks)
+        } else {
+            String::new()
+        };
+        figures.push(format!(
+            "rank {r}: {}/{} verified{staged}",
+            s.verified, s.requests
+        ));
     }
     for p in &prefills {
         let left = common::drained(ctx, p, Duration::from_secs(5))?;
@@ -136,10 +149,19 @@ pub fn hetero_tp(ctx: &mut Ctx) -> Result<Verdict> {
     if let Some(v) = super::need(ctx, &["bootstrap", "prefill --tp-size", "decode --tp-rank"]) {
         return Ok(v);
     }
-    hetero(ctx, &[])
+    hetero(ctx, &Extra::default())
 }
 
-fn hetero(ctx: &mut Ctx, extra: &[String]) -> Result<Verdict> {
+/// Extra flags of the hetero-TP cases.
+#[derive(Default)]
+struct Extra {
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    /// Rooms must come through the staging ring.
+    staged: bool,
+}
+
+fn hetero(ctx: &mut Ctx, extra: &Extra) -> Result<Verdict> {
     let model = Model::new("llama3-8b", 96);
     let n = common::sized(ctx, 8, 100);
     // Both directions run even when the first fails, so the verdict tells about each.
@@ -169,7 +191,20 @@ pub fn hetero_tp_staging(ctx: &mut Ctx) -> Result<Verdict> {
     if let Some(v) = super::need(ctx, &["bootstrap", "prefill --staging", "decode --staging"]) {
         return Ok(v);
     }
-    hetero(ctx, &common::args(&["--staging"]))
+    // A 64-token grid: 4 chunks per 256-token room. Llama-3-8B chunks are 8 MiB at decode TP 1
+    // (4 MiB at TP 2); a 12 MiB ring holds one and a half, so rooms wrap the ring and writers
+    // wait for watermarks.
+    let grid = ["--staging", "--chunked-prefill-size", "64"];
+    let mut decode = common::args(&grid);
+    decode.extend(common::args(&["--staging-ring-mib", "12"]));
+    hetero(
+        ctx,
+        &Extra {
+            prefill: common::args(&grid),
+            decode,
+            staged: true,
+        },
+    )
 }
 
 /// `mla-dummy`: DeepSeek-V3 (MLA) prefill TP2 → decode TP1: rank 1 is a dummy.

@@ -298,6 +298,8 @@ pub struct Summary {
     pub latencies_ms: Vec<f64>,
     /// Failure reason → rooms.
     pub failure_reasons: Vec<(String, u64)>,
+    /// Chunks that came through the decode's staging ring.
+    pub staged_chunks: u64,
 }
 
 impl Summary {
@@ -319,6 +321,7 @@ impl Summary {
             gbps: f("gbps"),
             p50_ms: f("p50_ms"),
             p99_ms: f("p99_ms"),
+            staged_chunks: u("staged_chunks"),
             latencies_ms: v
                 .get("latencies_ms")
                 .and_then(Value::as_array)
@@ -419,12 +422,13 @@ pub fn transfers_flowing(ctx: &Ctx, p: &Prefill, batches: f64) -> Result<bool> {
     Ok(flowing.is_some())
 }
 
-/// The prefill's live per-room entries (`kvx_room_entries`), read until they reach 0 or `timeout`.
+/// The prefill's live per-room entries (`kvx_room_entries` plus the staging driver's
+/// `kvx_staging_rooms`), read until they reach 0 or `timeout`.
 pub fn drained(ctx: &Ctx, p: &Prefill, timeout: Duration) -> Result<f64> {
-    let (m, _) = wait_metrics(ctx, p.host, p.metrics, timeout, |m| {
-        m.get("kvx_room_entries") == 0.0
-    })?;
-    Ok(m.get("kvx_room_entries"))
+    // The room manager's entries plus the staging driver's rooms (absent without staging).
+    let left = |m: &Metrics| m.get("kvx_room_entries") + m.get("kvx_staging_rooms");
+    let (m, _) = wait_metrics(ctx, p.host, p.metrics, timeout, |m| left(m) == 0.0)?;
+    Ok(left(&m))
 }
 
 /// The reason of the first room a process logged as failed (`room failed … reason=…`).
