@@ -3,6 +3,8 @@
 //! through the ring; oversized chunks fail their rooms and nothing else; a decode killed while
 //! its chunks are staged leaves nothing behind on the prefill.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;
