@@ -10,9 +10,11 @@
 //!
 //! A prefill instance runs one [`http::BootstrapServer`]; each prefill rank registers its ZMQ
 //! inbox there with [`http::BootstrapClient::register_rank`]; a decode asks for the topology
-//! (the all-minus-one sentinel) and for the inbox of the ranks it needs, then talks ZMQ.
+//! (the all-minus-one sentinel) and for the inbox of the ranks it needs, then talks ZMQ (this
+//! example needs the `net` feature):
 //!
-//! ```
+#![cfg_attr(feature = "net", doc = "```")]
+#![cfg_attr(not(feature = "net"), doc = "```ignore")]
 //! use kvx_bootstrap::http::{
 //!     BootstrapClient, BootstrapServer, RankRegistration, RetryPolicy, RouteQuery, ServerConfig,
 //! };
