@@ -98,6 +98,12 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         s.p50_ms,
         s.p99_ms
     );
+    if s.staged_chunks > 0 {
+        println!(
+            "staging: {} chunks through the ring, scattered",
+            s.staged_chunks
+        );
+    }
     println!("verified: {}/{} rooms", s.verified, s.requests);
     Ok(if s.verified == s.requests { 0 } else { 1 })
 }

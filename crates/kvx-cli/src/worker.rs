@@ -119,6 +119,8 @@ fn supervise(
         // outstanding batches, the one the worker died on included. The decode sessions stay
         // usable: the fault was ours, not theirs.
         let _ = shared.handle(PrefillEvent::Fatal { reason: text });
+        // The manager forgot every outstanding batch: the staging driver owes none either.
+        shared.with_staging(|d, _| d.reset());
         if shared.cfg.restart_workers && !shared.stop.load(Ordering::Relaxed) {
             metrics::counter!("kvx_worker_restarts_total").increment(1);
             if let Err(e) = spawn_worker(

@@ -1,9 +1,10 @@
 //! Whole rooms end to end for `cargo xtask bench`: Llama-3-8B and DeepSeek-V3 (MLA) through
-//! `kvx demo` (bootstrap, one prefill rank and one decode over loopback TCP in one process), and
-//! Llama-3-70B at TP 8 as 17 processes (bootstrap, 8 prefill ranks, 8 decode ranks), at 4k, 8k and
-//! 32k tokens, every byte verified, each beside the plain link test (`kvx send` into
-//! `kvx recv`) moving the same bytes in the same run. Sizes that do not fit in half of the
-//! available memory are left out with the reason, as are runs that fail.
+//! `kvx demo` (bootstrap, one prefill rank and one decode over loopback TCP in one process),
+//! Llama-3-70B at TP 8 as 17 processes (bootstrap, 8 prefill ranks, 8 decode ranks), and
+//! Llama-3-8B from prefill TP 2 to decode TP 1 by per-token head slices and through the staging
+//! ring, at 4k, 8k and 32k tokens, every byte verified, each beside the plain link test (`kvx
+//! send` into `kvx recv`) moving the same bytes in the same run. Sizes that do not fit in half of
+//! the available memory are left out with the reason, as are runs that fail.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,30 +22,80 @@ use crate::report::svg::{self, LinePlot, Series};
 /// A model shape of the run.
 struct Shape {
     label: &'static str,
+    /// Names its logs.
+    key: &'static str,
     preset: &'static str,
+    /// Prefill attention-TP size.
     tp: u32,
+    /// Decode attention-TP size.
+    decode_tp: u32,
     /// KV bytes per token on one rank (for the memory guard only; figures come from the run).
     bytes_per_token: u64,
+    /// Extra flags of every prefill rank and every decode rank.
+    prefill_extra: &'static [&'static str],
+    decode_extra: &'static [&'static str],
 }
+
+/// Staging with 2048-token chunks (256 MiB at decode TP 1) and a 1 GiB ring.
+const STAGING_PREFILL: &[&str] = &["--staging", "--chunked-prefill-size", "2048"];
+const STAGING_DECODE: &[&str] = &[
+    "--staging",
+    "--chunked-prefill-size",
+    "2048",
+    "--staging-ring-mib",
+    "1024",
+];
 
 const SHAPES: &[Shape] = &[
     Shape {
         label: "Llama-3-8B TP1",
+        key: "llama3-8b",
         preset: "llama3-8b",
         tp: 1,
+        decode_tp: 1,
         bytes_per_token: 32 * 2 * 8 * 128 * 2,
+        prefill_extra: &[],
+        decode_extra: &[],
     },
     Shape {
         label: "Llama-3-70B TP8 (8 ranks)",
+        key: "llama3-70b",
         preset: "llama3-70b",
         tp: 8,
+        decode_tp: 8,
         bytes_per_token: 80 * 2 * 128 * 2,
+        prefill_extra: &[],
+        decode_extra: &[],
     },
     Shape {
         label: "DeepSeek-V3 MLA",
+        key: "deepseek-v3",
         preset: "deepseek-v3",
         tp: 1,
+        decode_tp: 1,
         bytes_per_token: 61 * 576 * 2,
+        prefill_extra: &[],
+        decode_extra: &[],
+    },
+    Shape {
+        label: "Llama-3-8B TP2->TP1 head slices",
+        key: "llama3-8b-tp2-tp1",
+        preset: "llama3-8b",
+        tp: 2,
+        decode_tp: 1,
+        bytes_per_token: 32 * 2 * 8 * 128 * 2,
+        prefill_extra: &[],
+        decode_extra: &[],
+    },
+    Shape {
+        label: "Llama-3-8B TP2->TP1 staging",
+        key: "llama3-8b-tp2-tp1-staging",
+        preset: "llama3-8b",
+        tp: 2,
+        decode_tp: 1,
+        bytes_per_token: 32 * 2 * 8 * 128 * 2,
+        prefill_extra: STAGING_PREFILL,
+        decode_extra: STAGING_DECODE,
     },
 ];
 
@@ -143,7 +194,7 @@ fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
 
 fn demo(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Result<Summary> {
     let pool = tokens.div_ceil(16) + 64;
-    let summary = logs.join(format!("demo-{}-{tokens}.json", shape.preset));
+    let summary = logs.join(format!("demo-{}-{tokens}.json", shape.key));
     let _ = std::fs::remove_file(&summary);
     let mut cmd = Command::new(bin);
     cmd.args(["demo", "--model", shape.preset])
@@ -153,7 +204,7 @@ fn demo(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Resu
         .args(["--pool-pages", &pool.to_string()])
         .arg("--summary-json")
         .arg(&summary);
-    let mut p = Proc::spawn(&format!("demo-{}-{tokens}", shape.preset), cmd, logs)?;
+    let mut p = Proc::spawn(&format!("demo-{}-{tokens}", shape.key), cmd, logs)?;
     let st = p
         .wait_timeout(Duration::from_secs(600))
         .context("kvx demo did not finish in 600 s")?;
@@ -162,12 +213,13 @@ fn demo(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Resu
     Summary::parse(&text)
 }
 
-/// Tensor parallel shapes: a bootstrap server, `tp` prefill ranks and `tp` decode ranks (same
-/// seed, so the same rooms) on loopback; the aggregate is the sum of the ranks' rates.
+/// Tensor parallel shapes: a bootstrap server, `tp` prefill ranks and `decode_tp` decode ranks
+/// (same seed, so the same rooms) on loopback; the aggregate is the sum of the decode ranks'
+/// rates.
 fn tp_run(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Result<Summary> {
     let ctx = Ctx::loopback(
         Kvx::probe(bin)?,
-        logs.join(format!("tp-{}-{tokens}", shape.preset)),
+        logs.join(format!("tp-{}-{tokens}", shape.key)),
     );
     let model = Model {
         preset: shape.preset,
@@ -176,6 +228,10 @@ fn tp_run(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Re
         pool_pages: (tokens.div_ceil(16) + 64) as u32,
     };
     let boot = common::bootstrap(&ctx, 0)?;
+    let popts = PrefillOpts {
+        extra: common::args(shape.prefill_extra),
+        ..PrefillOpts::default()
+    };
     let mut prefills = Vec::new();
     for r in 0..shape.tp {
         prefills.push(common::prefill(
@@ -185,20 +241,21 @@ fn tp_run(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Re
             boot.addr,
             &model,
             r,
-            &PrefillOpts::default(),
+            &popts,
         )?);
     }
     let mut decodes = Vec::new();
-    for r in 0..shape.tp {
+    for r in 0..shape.decode_tp {
         let mut o = DecodeOpts::new(rooms as usize, tokens as usize);
         o.concurrency = 1;
         o.tp_rank = r;
+        o.extra = common::args(shape.decode_extra);
         decodes.push(common::decode(
             &ctx,
             &format!("decode-r{r}"),
             0,
             boot.addr,
-            &model,
+            &model.tp(shape.decode_tp),
             &o,
         )?);
     }
@@ -235,10 +292,10 @@ pub fn run(root: &Path) -> Result<Part> {
     let avail = mem_available();
     let mut rows = Vec::new();
     let mut left_out = Vec::new();
-    // `KVX_E2E_SHAPES=llama3-70b,deepseek-v3` runs only those presets.
+    // `KVX_E2E_SHAPES=llama3-70b,llama3-8b-tp2-tp1-staging` runs only those shapes.
     let only = std::env::var("KVX_E2E_SHAPES").unwrap_or_default();
     for shape in SHAPES {
-        if !only.is_empty() && !only.split(',').any(|p| p.trim() == shape.preset) {
+        if !only.is_empty() && !only.split(',').any(|p| p.trim() == shape.key) {
             continue;
         }
         for &tokens in TOKENS {
@@ -262,7 +319,7 @@ pub fn run(root: &Path) -> Result<Part> {
                 "xtask: e2e {} at {tokens} tokens, {rooms} rooms",
                 shape.label
             );
-            let run = if shape.tp == 1 {
+            let run = if shape.tp == 1 && shape.decode_tp == 1 {
                 demo(&bin, &logs, shape, tokens, rooms)
             } else {
                 tp_run(&bin, &logs, shape, tokens, rooms)
@@ -299,7 +356,10 @@ fn part(rows: &[Row], left_out: &[String]) -> Part {
         "Release build, loopback TCP, one room at a time, every byte verified. TP1 shapes run \
          `kvx demo` (bootstrap server, one prefill rank and one decode in one process); the TP8 \
          shape runs a bootstrap server, 8 prefill and 8 decode processes, and its GB/s is the \
-         sum of the ranks' rates and its room size the sum over ranks. Beside each, the link \
+         sum of the ranks' rates and its room size the sum over ranks. The TP2->TP1 shapes run \
+         2 prefill processes and one decode: by head slices (one write per token, layer, K or V \
+         and rank) or through the decode's staging ring (one gathered write per 2048-token \
+         chunk and rank, scattered on the decode). Beside each, the link \
          test (`kvx send` into `kvx recv`, 1 MiB writes, one connection) moves the same bytes \
          in the same run. Rerun with `cargo xtask bench e2e`.",
     );
