@@ -203,6 +203,9 @@ pub struct DecodeArgs {
     /// Never draw a progress bar (it is drawn only on a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
+    /// Serve Prometheus /metrics on this port while the run lasts.
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
     /// Staging.
     #[command(flatten)]
     pub staging: StagingArgs,

@@ -122,6 +122,9 @@ pub struct Summary {
     pub failure_reasons: HashMap<String, usize>,
     /// Chunks that arrived through the staging ring and were scattered (0 without staging).
     pub staged_chunks: u64,
+    /// Messages at the decode's inbox that were malformed (dropped by the inbox or refused by
+    /// the parser) or of a kind it does not use; every one dropped.
+    pub dropped_messages: u64,
 }
 
 /// One room's outcome as reported by the prefill ranks.
@@ -153,6 +156,8 @@ struct Peer {
     dead: AtomicBool,
     stop: AtomicBool,
     bytes: AtomicU64,
+    /// Inbox messages dropped as malformed or unused (see [`Summary::dropped_messages`]).
+    dropped: AtomicU64,
 }
 
 /// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
@@ -256,9 +261,11 @@ impl Peer {
                 self.after_staging(r, "CHUNK_READY").await;
             }
             Ok(DecodeInbound::Other(kind)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("kvx_decode_ignored_messages_total", "kind" => kind).increment(1)
             }
             Err(e) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("kvx_decode_malformed_frames_total", "kind" => e.kind())
                     .increment(1);
                 tracing::warn!(error = %e, "malformed message dropped");
@@ -513,6 +520,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
+        dropped: AtomicU64::new(0),
         kv,
         aux,
         cfg,
@@ -523,7 +531,9 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         let mut dropped = 0;
         while !p.stop.load(Ordering::Relaxed) {
             let next = tokio::time::timeout(Duration::from_millis(100), inbox.recv()).await;
+            let seen = dropped;
             count_dropped(&inbox, &mut dropped, "kvx_decode_malformed_frames_total");
+            p.dropped.fetch_add(dropped - seen, Ordering::Relaxed);
             match next {
                 Ok(Some(msg)) => p.on_message(msg.frames()).await,
                 Ok(None) => break,
@@ -603,6 +613,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.staged_chunks = peer.stager.as_ref().map_or(0, |st| st.scattered());
+    s.dropped_messages = peer.dropped.load(Ordering::Relaxed);
     s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;
     s.latencies_ms = lat.clone();
     lat.sort_by(f64::total_cmp);

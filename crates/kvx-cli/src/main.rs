@@ -81,7 +81,14 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let s = rt.block_on(decode::run(cfg))?;
+    let s = rt.block_on(async {
+        if let Some(p) = a.metrics_port {
+            let addr: std::net::SocketAddr = format!("{}:{p}", a.host).parse()?;
+            let bound = telemetry::serve_metrics(addr).await?;
+            eprintln!("kvx decode: metrics on http://{bound}/metrics");
+        }
+        decode::run(cfg).await
+    })?;
     if let Some(p) = &a.summary_json {
         std::fs::write(p, serde_json::to_vec_pretty(&s)?)?;
     }

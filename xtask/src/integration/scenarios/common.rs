@@ -300,6 +300,8 @@ pub struct Summary {
     pub failure_reasons: Vec<(String, u64)>,
     /// Chunks that came through the decode's staging ring.
     pub staged_chunks: u64,
+    /// Messages the decode's inbox dropped (malformed or unused kinds).
+    pub dropped_messages: u64,
 }
 
 impl Summary {
@@ -322,6 +324,7 @@ impl Summary {
             p50_ms: f("p50_ms"),
             p99_ms: f("p99_ms"),
             staged_chunks: u("staged_chunks"),
+            dropped_messages: u("dropped_messages"),
             latencies_ms: v
                 .get("latencies_ms")
                 .and_then(Value::as_array)

@@ -214,14 +214,23 @@ pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
     let left = common::drained(ctx, &p, Duration::from_secs(5))?;
     let alive = p.proc.try_wait().is_none() && boot.proc.try_wait().is_none();
     let figures = format!(
-        "sent {} garbage messages to the prefill inbox, {} to the decode inbox, {} junk connections to the transport port, {} to the bootstrap server; prefill counted {counted} malformed or ignored; {}; room entries left {left}",
+        "sent {} garbage messages to the prefill inbox, {} to the decode inbox, {} junk connections to the transport port, {} to the bootstrap server; prefill counted {counted} malformed or ignored, decode {}; {}; room entries left {left}",
         sent.0,
         sent.1,
         sent.2,
         sent.3,
+        s.dropped_messages,
         s.figures()
     );
-    if code != 0 || s.verified != s.requests || counted < 1.0 || left != 0.0 || !alive {
+    // The garbage is seeded and holds no valid message: the decode must count every one.
+    let decode_counted = s.dropped_messages >= sent.1 as u64;
+    if code != 0
+        || s.verified != s.requests
+        || counted < 1.0
+        || !decode_counted
+        || left != 0.0
+        || !alive
+    {
         return Ok(Verdict::Fail(format!(
             "{figures}; exit {code}; prefill and bootstrap alive: {alive}"
         )));
