@@ -184,6 +184,14 @@ pub struct DecodeArgs {
         default_value_t = 2
     )]
     pub heartbeat_max_failure: u32,
+    /// Seconds an ABORTed room's pages wait for every prefill rank's ABORT_ACK (sent once the
+    /// rank's writes drained) before they are reused anyway.
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
+        default_value_t = 30.0
+    )]
+    pub abort_release_timeout: f64,
     /// Seconds a ZMQ send toward a prefill may block.
     #[arg(
         long,

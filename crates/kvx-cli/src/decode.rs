@@ -9,11 +9,15 @@
 //! statuses, ticks and heartbeat loss, sends the `ABORT`s it asks for and hands each concluded
 //! room's outcome to the task waiting on it. Its destination memory is registered with a data-plane server whose
 //! `ip:port` is the session id it sends. Every byte of a successful room is checked against the
-//! pattern before its pages are reused. With staging ([`DecodeConfig::staging`]) it also
+//! pattern before its pages are reused. A failed room's pages are reused only once nothing can
+//! land in them any more: an ABORTed room's once every prefill rank it was sent to acknowledged
+//! (each sends `ABORT_ACK` only after its writes drained; sglang's deferred KV release), after
+//! checking that they stay unchanged for a moment (a write after the last ACK is counted as a
+//! late write), or after the release timeout; other failed rooms' after a grace. With staging ([`DecodeConfig::staging`]) it also
 //! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
 //! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -71,6 +75,8 @@ pub struct DecodeConfig {
     pub heartbeat_max_failure: u32,
     /// ZMQ send timeout.
     pub zmq_send_timeout: Duration,
+    /// How long an ABORTed room's pages wait for every rank's `ABORT_ACK` before reuse.
+    pub abort_release_timeout: Duration,
     /// Seed for rooms and pages.
     pub seed: u64,
     /// Rooms `base, base+1, …` instead of random ones (as a router would hand them to both
@@ -125,7 +131,26 @@ pub struct Summary {
     /// Messages at the decode's inbox that were malformed (dropped by the inbox or refused by
     /// the parser) or of a kind it does not use; every one dropped.
     pub dropped_messages: u64,
+    /// Failed rooms this decode sent `ABORT` for.
+    pub aborted_rooms: u64,
+    /// Aborted rooms every prefill rank acknowledged before the release timeout.
+    pub abort_acked_rooms: u64,
+    /// Acknowledged rooms whose pages changed after the last `ABORT_ACK` (must be 0).
+    pub late_writes: u64,
 }
+
+/// Where an `ABORT` went and which ranks acknowledged it.
+#[derive(Default)]
+struct AbortWait {
+    sent_to: HashSet<Endpoint>,
+    acked: HashSet<u32>,
+}
+
+/// A failed room that was not ABORTed keeps its pages this long (its prefill may still have a
+/// write in flight when it reports the failure).
+const FAILED_GRACE: Duration = Duration::from_secs(1);
+/// After the last `ABORT_ACK`, the room's pages must stay unchanged this long.
+const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
 
 /// One room's outcome as reported by the prefill ranks.
 type Outcome = Result<(), String>;
@@ -158,6 +183,15 @@ struct Peer {
     bytes: AtomicU64,
     /// Inbox messages dropped as malformed or unused (see [`Summary::dropped_messages`]).
     dropped: AtomicU64,
+    /// Rooms whose `ABORT` went out, until their pages are released.
+    aborts: Mutex<HashMap<Room, AbortWait>>,
+    /// Woken by every ranked `ABORT_ACK`.
+    acked: Notify,
+    /// Failed rooms still holding their pages (awaited before the summary).
+    settling: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    aborted_rooms: AtomicU64,
+    abort_acked_rooms: AtomicU64,
+    late_writes: AtomicU64,
 }
 
 /// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
@@ -183,6 +217,20 @@ impl Peer {
         let r = lock(&self.rooms).handle(Instant::now(), event, &mut out);
         if let Err(e) = r {
             tracing::debug!(error = %e, "decode event dropped");
+        }
+        // ABORTs are recorded before any room's task learns its outcome: the task decides by
+        // them how long the room's pages are held.
+        {
+            let mut waits = lock(&self.aborts);
+            for a in &out {
+                if let DecodeAction::SendAbort { room, endpoint } = a {
+                    waits
+                        .entry(*room)
+                        .or_default()
+                        .sent_to
+                        .insert(endpoint.clone());
+                }
+            }
         }
         let mut aborts = Vec::new();
         for a in out {
@@ -235,7 +283,17 @@ impl Peer {
                 let aborts = self.handle(event, None);
                 self.send_aborts(aborts).await;
             }
-            Ok(DecodeInbound::AbortAck(room)) => tracing::debug!(%room, "abort acknowledged"),
+            Ok(DecodeInbound::AbortAck { room, rank }) => {
+                tracing::debug!(%room, ?rank, "abort acknowledged");
+                // Only the ranked (deferred-release) form promises that the rank's writes
+                // drained; a legacy ACK leaves the room to its release timeout.
+                if let Some(rank) = rank
+                    && let Some(w) = lock(&self.aborts).get_mut(&room)
+                {
+                    w.acked.insert(rank);
+                }
+                self.acked.notify_waiters();
+            }
             Ok(DecodeInbound::StagingReq(req)) => {
                 let Some(st) = &self.stager else {
                     metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "staging_req")
@@ -290,6 +348,76 @@ impl Peer {
         for (ep, frames) in out {
             let _ = self.send(&ep, frames).await;
         }
+    }
+
+    /// True once every rank the room's `ABORT` went to acknowledged it.
+    fn abort_acked(&self, room: Room) -> bool {
+        lock(&self.aborts)
+            .get(&room)
+            .is_some_and(|w| w.acked.len() >= w.sent_to.len())
+    }
+
+    /// Holds a failed room's pages until nothing can land in them any more (see the module
+    /// docs); the caller releases them afterwards.
+    async fn settle_failed(self: &Arc<Self>, room: Room, pages: &[i32]) {
+        if !lock(&self.aborts).contains_key(&room) {
+            tokio::time::sleep(FAILED_GRACE).await;
+            return;
+        }
+        self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
+        let acked = loop {
+            let notified = self.acked.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.abort_acked(room) {
+                break true;
+            }
+            if self.dead.load(Ordering::Relaxed)
+                || tokio::time::timeout_at(deadline, notified).await.is_err()
+            {
+                break false;
+            }
+        };
+        lock(&self.aborts).remove(&room);
+        if !acked {
+            metrics::counter!("kvx_decode_abort_release_timeouts_total").increment(1);
+            tracing::warn!(%room, "not every prefill rank acknowledged the ABORT; pages released after a grace");
+            tokio::time::sleep(FAILED_GRACE).await;
+            return;
+        }
+        self.abort_acked_rooms.fetch_add(1, Ordering::Relaxed);
+        let digest = |p: Arc<Peer>, pages: Vec<i32>| {
+            tokio::task::spawn_blocking(move || p.pages_digest(&pages))
+        };
+        let before = digest(self.clone(), pages.to_vec()).await.ok();
+        tokio::time::sleep(LATE_WRITE_WINDOW).await;
+        let after = digest(self.clone(), pages.to_vec()).await.ok();
+        if before != after {
+            self.late_writes.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvx_decode_late_writes_total").increment(1);
+            tracing::error!(%room, "a write landed in the room's pages after every prefill rank acknowledged its ABORT");
+        }
+    }
+
+    /// A digest of every byte of the room's pages in every KV buffer. Read after every prefill
+    /// rank promised to write nothing more into them: a write racing this read is exactly the
+    /// late write it exists to detect.
+    fn pages_digest(&self, pages: &[i32]) -> u64 {
+        use std::hash::Hasher as _;
+        let l = &self.cfg.layout;
+        let mut h = std::hash::DefaultHasher::new();
+        for b in 0..l.num_buffers {
+            let base = l.buffer_addr(self.kv.base(), b);
+            for &p in pages {
+                let addr = base.saturating_add(u64::try_from(p).unwrap_or(u64::MAX) * l.item_len);
+                match self.kv.read(addr, l.item_len) {
+                    Ok(bytes) => h.write(bytes),
+                    Err(_) => h.write_u8(0),
+                }
+            }
+        }
+        h.finish()
     }
 
     /// Sends one message to a prefill rank's inbox, in order after every earlier one.
@@ -521,6 +649,12 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
         dropped: AtomicU64::new(0),
+        aborts: Mutex::new(HashMap::new()),
+        acked: Notify::new(),
+        settling: Mutex::new(Vec::new()),
+        aborted_rooms: AtomicU64::new(0),
+        abort_acked_rooms: AtomicU64::new(0),
+        late_writes: AtomicU64::new(0),
         kv,
         aux,
         cfg,
@@ -603,6 +737,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             }
         }
     }
+    // Failed rooms still holding their pages: their ACKs (or timeouts) decide the counts below.
+    let settling = std::mem::take(&mut *lock(&peer.settling));
+    for t in settling {
+        let _ = t.await;
+    }
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -614,6 +753,9 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.staged_chunks = peer.stager.as_ref().map_or(0, |st| st.scattered());
     s.dropped_messages = peer.dropped.load(Ordering::Relaxed);
+    s.aborted_rooms = peer.aborted_rooms.load(Ordering::Relaxed);
+    s.abort_acked_rooms = peer.abort_acked_rooms.load(Ordering::Relaxed);
+    s.late_writes = peer.late_writes.load(Ordering::Relaxed);
     s.gbps = s.bytes as f64 / s.seconds.max(1e-9) / 1e9;
     s.latencies_ms = lat.clone();
     lat.sort_by(f64::total_cmp);
@@ -796,16 +938,20 @@ async fn one_request(
         }
         Err(reason) => {
             tracing::warn!(%room, %reason, "room failed");
-            // A failed room's pages may still receive late writes: release them after a grace.
+            // A failed room's pages may still receive writes: they are held until nothing can
+            // land in them (every ABORT_ACK, the release timeout, or a grace).
             let p = peer.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(1)).await;
+            let task = tokio::spawn(async move {
+                p.settle_failed(room, &pages).await;
                 release(&p, &pages, row);
                 if let Some(st) = staged {
                     let out = st.release_fenced(room);
                     p.send_all(out).await;
                 }
             });
+            let mut settling = lock(&peer.settling);
+            settling.retain(|t| !t.is_finished());
+            settling.push(task);
             (RoomResult::Failed(reason), latency)
         }
     }

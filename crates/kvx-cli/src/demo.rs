@@ -79,6 +79,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             heartbeat_interval: Duration::from_secs(5),
             heartbeat_max_failure: 2,
             zmq_send_timeout: Duration::from_secs(1),
+            abort_release_timeout: Duration::from_secs(30),
             seed: 0xdec0de,
             room_base: None,
             progress: true,

@@ -492,9 +492,13 @@ impl Shared {
                     status,
                     ..
                 } => self.send_status(room, endpoint, status),
-                PrefillAction::AbortAck { endpoint, room, .. } => {
-                    let _ = lock(&self.notices)
-                        .send(Notice::Send(endpoint, wire::encode_abort_ack(room)));
+                PrefillAction::AbortAck {
+                    endpoint,
+                    room,
+                    prefill_rank,
+                } => {
+                    let frames = wire::encode_abort_ack(room, prefill_rank);
+                    let _ = lock(&self.notices).send(Notice::Send(endpoint, frames));
                 }
                 PrefillAction::Concluded {
                     room,

@@ -68,6 +68,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         heartbeat_interval: Duration::from_secs_f64(a.heartbeat_interval.max(0.0)),
         heartbeat_max_failure: a.heartbeat_max_failure,
         zmq_send_timeout: Duration::from_secs_f64(a.zmq_send_timeout.max(0.0)),
+        abort_release_timeout: Duration::from_secs_f64(a.abort_release_timeout.max(0.0)),
         seed: a.seed.unwrap_or_else(rand::random),
         room_base: a.room_base,
         progress: !a.no_progress,

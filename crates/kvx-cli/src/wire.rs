@@ -146,11 +146,13 @@ pub fn encode_status(room: Room, status: KVPoll, prefill_unique_rank: u32) -> Fr
     .encode()
 }
 
-/// Encodes the legacy 2-frame `ABORT_ACK`.
-pub fn encode_abort_ack(room: Room) -> Frames {
+/// Encodes the 3-frame `ABORT_ACK` of sglang's deferred KV release: this prefill sends it only
+/// once nothing of the room is in flight, and names its `prefill_unique_rank` so the decode can
+/// count distinct ranks (a legacy decode reads frame 1 only).
+pub fn encode_abort_ack(room: Room, prefill_unique_rank: u32) -> Frames {
     AbortAck {
         room,
-        prefill_rank: None,
+        prefill_rank: Some(prefill_unique_rank),
     }
     .encode()
 }
@@ -169,8 +171,13 @@ pub enum DecodeInbound {
         /// Optional reason (4th frame).
         reason: Option<String>,
     },
-    /// `ABORT_ACK` for a room.
-    AbortAck(Room),
+    /// `ABORT_ACK` for a room, with the acking rank in the deferred-release form.
+    AbortAck {
+        /// The room.
+        room: Room,
+        /// The acking prefill's unique rank (`None`: the legacy 2-frame form).
+        rank: Option<u32>,
+    },
     /// `STAGING_REQ`: a prefill rank asks for ring space for one chunk.
     StagingReq(StagingReq),
     /// `CHUNK_READY`: a prefill rank finished writing its block of a chunk.
@@ -188,7 +195,10 @@ pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInboun
             rank: s.prefill_rank,
             reason: s.reason,
         },
-        codec::DecodeInbound::AbortAck(a) => DecodeInbound::AbortAck(a.room),
+        codec::DecodeInbound::AbortAck(a) => DecodeInbound::AbortAck {
+            room: a.room,
+            rank: a.prefill_rank,
+        },
         codec::DecodeInbound::StagingReq(r) => DecodeInbound::StagingReq(StagingReq {
             room: r.room,
             chunk_idx: r.chunk_idx,
@@ -302,6 +312,23 @@ mod tests {
             })
         );
         assert!(parse_decode_inbound(&[b"7".to_vec(), b"4".to_vec()]).is_err());
+        // The deferred-release ABORT_ACK names the rank; the legacy one does not.
+        let ack = encode_abort_ack(room, 3);
+        assert_eq!(
+            ack,
+            vec![b"ABORT_ACK".to_vec(), b"7".to_vec(), b"3".to_vec()]
+        );
+        assert_eq!(
+            parse_decode_inbound(&ack),
+            Ok(DecodeInbound::AbortAck {
+                room,
+                rank: Some(3)
+            })
+        );
+        assert_eq!(
+            parse_decode_inbound(&[b"ABORT_ACK".to_vec(), b"7".to_vec()]),
+            Ok(DecodeInbound::AbortAck { room, rank: None })
+        );
         assert!(parse_prefill_inbound(&[b"garbage".to_vec()]).is_err());
     }
 

@@ -67,6 +67,7 @@ fn embedded_sender_serves_a_decode() {
         heartbeat_interval: Duration::from_secs(5),
         heartbeat_max_failure: 2,
         zmq_send_timeout: Duration::from_secs(1),
+        abort_release_timeout: Duration::from_secs(30),
         seed: 7,
         room_base: Some(1000),
         progress: false,

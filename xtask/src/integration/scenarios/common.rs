@@ -302,6 +302,12 @@ pub struct Summary {
     pub staged_chunks: u64,
     /// Messages the decode's inbox dropped (malformed or unused kinds).
     pub dropped_messages: u64,
+    /// Rooms the decode sent `ABORT` for.
+    pub aborted_rooms: u64,
+    /// Aborted rooms every prefill rank acknowledged.
+    pub abort_acked_rooms: u64,
+    /// Acknowledged rooms whose pages changed after the last `ABORT_ACK`.
+    pub late_writes: u64,
 }
 
 impl Summary {
@@ -325,6 +331,9 @@ impl Summary {
             p99_ms: f("p99_ms"),
             staged_chunks: u("staged_chunks"),
             dropped_messages: u("dropped_messages"),
+            aborted_rooms: u("aborted_rooms"),
+            abort_acked_rooms: u("abort_acked_rooms"),
+            late_writes: u("late_writes"),
             latencies_ms: v
                 .get("latencies_ms")
                 .and_then(Value::as_array)
