@@ -79,18 +79,7 @@ fn killed_decode_fails_its_rooms_only() {
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
     // A decode that would run for a long time, killed once transfers to it are under way.
-    let mut victim = start_decode(
-        port,
-        &sa,
-        &[
-            "--requests",
-            "1000000",
-            "--prompt-tokens",
-            "500",
-            "--concurrency",
-            "8",
-        ],
-    );
+    let mut victim = start_decode(port, &sa, ENDLESS_LOAD);
     let t0 = std::time::Instant::now();
     while !http_get(port, "/metrics").is_some_and(|(_, m)| {
         metric_sum(&m, "kvx_transfer_batches_total") >= 20.0

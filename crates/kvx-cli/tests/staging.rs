@@ -173,21 +173,7 @@ fn killed_decode_mid_staging_leaves_nothing_behind() {
     let _p = prefill(port, 2, &["--staging-wait-timeout", "3"]);
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
-    let mut victim = decode(
-        port,
-        &sa,
-        1,
-        0,
-        12,
-        &[
-            "--requests",
-            "1000000",
-            "--prompt-tokens",
-            "500",
-            "--concurrency",
-            "8",
-        ],
-    );
+    let mut victim = decode(port, &sa, 1, 0, 12, ENDLESS_LOAD);
     wait_until(Duration::from_secs(30), "staged chunks flowing", || {
         let m = metrics(port);
         metric_sum(&m, "kvx_staged_chunks_posted_total") >= 10.0

@@ -144,6 +144,16 @@ pub const MODEL: &[&str] = &[
     "256",
 ];
 
+/// Decode load that runs until it is killed: 500-token rooms, 8 in flight.
+pub const ENDLESS_LOAD: &[&str] = &[
+    "--requests",
+    "1000000",
+    "--prompt-tokens",
+    "500",
+    "--concurrency",
+    "8",
+];
+
 /// Starts `kvx prefill --serve-bootstrap` on `port` and waits until its rank is registered.
 pub fn start_prefill(port: u16, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut cmd = Command::new(KVX);
