@@ -414,8 +414,9 @@ impl Shared {
                     let _ = self.handle(PrefillEvent::BatchDone { batch_id, result });
                 }
                 Effect::Fail(room, reason) => {
-                    metrics::counter!("kvx_staging_room_failures_total").increment(1);
-                    self.fail_room(room, &reason);
+                    if self.fail_room(room, &reason) {
+                        metrics::counter!("kvx_staging_room_failures_total").increment(1);
+                    }
                 }
             }
         }
