@@ -133,6 +133,9 @@ pub struct PrefillArgs {
     /// Seconds a staged chunk may wait for ring space before its room fails.
     #[arg(long, default_value_t = 60.0)]
     pub staging_wait_timeout: f64,
+    /// Send aux rows as AUX_DATA messages over ZMQ instead of writing them.
+    #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP")]
+    pub aux_over_tcp: bool,
 }
 
 /// Flags of `kvx decode` (a repeated flag: the last one wins).

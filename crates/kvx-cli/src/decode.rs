@@ -139,6 +139,30 @@ pub struct Summary {
     pub late_writes: u64,
 }
 
+/// Why an `AUX_DATA` row was not written (logged, counted, dropped).
+#[derive(Debug, thiserror::Error)]
+pub enum AuxError {
+    /// No such aux buffer here.
+    #[error("aux buffer {0} does not exist")]
+    Index(u32),
+    /// The row lies outside the aux pool.
+    #[error("aux row {0} is outside the pool")]
+    Row(i64),
+    /// The payload is not one of this decode's rows (sglang drops it too).
+    #[error("aux row of {got} bytes, this decode's rows of buffer {index} have {want}")]
+    Length {
+        /// The buffer.
+        index: u32,
+        /// Bytes received.
+        got: usize,
+        /// This decode's row length.
+        want: u64,
+    },
+    /// The row's range is outside the aux region.
+    #[error(transparent)]
+    Bounds(#[from] crate::region::OutOfBounds),
+}
+
 /// Where an `ABORT` went and which ranks acknowledged it.
 #[derive(Default)]
 struct AbortWait {
@@ -296,6 +320,7 @@ impl Peer {
             }
             Ok(DecodeInbound::StagingReq(req)) => {
                 let Some(st) = &self.stager else {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "staging_req")
                         .increment(1);
                     return;
@@ -305,6 +330,7 @@ impl Peer {
             }
             Ok(DecodeInbound::ChunkReady(msg)) => {
                 let Some(st) = self.stager.clone() else {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "chunk_ready")
                         .increment(1);
                     return;
@@ -318,10 +344,19 @@ impl Peer {
                     });
                 self.after_staging(r, "CHUNK_READY").await;
             }
-            Ok(DecodeInbound::Other(kind)) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvx_decode_ignored_messages_total", "kind" => kind).increment(1)
-            }
+            Ok(DecodeInbound::AuxData {
+                room,
+                index,
+                row,
+                data,
+            }) => match self.write_aux(index, row, &data) {
+                Ok(()) => metrics::counter!("kvx_decode_aux_rows_total").increment(1),
+                Err(e) => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvx_decode_aux_errors_total").increment(1);
+                    tracing::warn!(%room, error = %e, "AUX_DATA dropped");
+                }
+            },
             Err(e) => {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("kvx_decode_malformed_frames_total", "kind" => e.kind())
@@ -336,6 +371,7 @@ impl Peer {
         match r {
             Ok(out) => self.send_all(out).await,
             Err(e) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("kvx_decode_staging_errors_total", "kind" => e.kind())
                     .increment(1);
                 tracing::warn!(error = %e, "{what} dropped");
@@ -348,6 +384,32 @@ impl Peer {
         for (ep, frames) in out {
             let _ = self.send(&ep, frames).await;
         }
+    }
+
+    /// Writes an `AUX_DATA` row at `aux_ptr[index] + row · item_len[index]` with this decode's
+    /// own row length (spec §3.4); it arrives before its room's status on the same socket.
+    fn write_aux(&self, index: u32, row: i64, data: &[u8]) -> Result<(), AuxError> {
+        let l = &self.cfg.layout;
+        let i = index as usize;
+        let (Some(&ptr), Some(&want)) =
+            (l.aux_ptrs(self.aux.base()).get(i), l.aux_item_lens().get(i))
+        else {
+            return Err(AuxError::Index(index));
+        };
+        let r = u64::try_from(row)
+            .ok()
+            .filter(|r| *r < l.aux_rows)
+            .ok_or(AuxError::Row(row))?;
+        if data.len() as u64 != want {
+            return Err(AuxError::Length {
+                index,
+                got: data.len(),
+                want,
+            });
+        }
+        self.aux
+            .write_with(ptr + r * want, want, |dst| dst.copy_from_slice(data))?;
+        Ok(())
     }
 
     /// True once every rank the room's `ABORT` went to acknowledged it.

@@ -55,6 +55,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 chunked_prefill_size: 8192,
             },
             staging_wait_timeout: 60.0,
+            aux_over_tcp: false,
         };
         let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
         let client = BootstrapClient::new("127.0.0.1", port)?;

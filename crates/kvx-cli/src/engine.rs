@@ -99,6 +99,9 @@ pub struct PrefillConfig {
     pub chunked_prefill_size: i64,
     /// A staged chunk that waits longer than this for ring space fails its room.
     pub staging_wait_timeout: Duration,
+    /// Send aux rows as `AUX_DATA` messages on the control plane instead of writing them
+    /// (sglang's `SGLANG_MOONCAKE_SEND_AUX_TCP`).
+    pub aux_over_tcp: bool,
 }
 
 impl Default for PrefillConfig {
@@ -124,6 +127,7 @@ impl Default for PrefillConfig {
             staging: false,
             chunked_prefill_size: kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE,
             staging_wait_timeout: Duration::from_secs(60),
+            aux_over_tcp: false,
         }
     }
 }
@@ -484,8 +488,28 @@ impl Shared {
                         .aux
                         .write_with(addr, len, |row| kvx_core::fill_room_row(row, room));
                 }
-                PrefillAction::SendAuxData { room, .. } => {
-                    tracing::warn!(%room, "aux rows over the control plane are not enabled here");
+                PrefillAction::SendAuxData {
+                    room,
+                    endpoint,
+                    index,
+                    dst_row,
+                    src_addr,
+                    len,
+                } => {
+                    // The row (its room slot filled just before) goes on the notifier's socket
+                    // to this decode, ahead of the room's status.
+                    let frames = self.mem.aux.read(src_addr, len).map_err(|e| e.to_string());
+                    let frames = frames.and_then(|row| {
+                        let index = u32::try_from(index).map_err(|e| e.to_string())?;
+                        wire::encode_aux_data(room, index, dst_row, row).map_err(|e| e.to_string())
+                    });
+                    match frames {
+                        Ok(f) => {
+                            metrics::counter!("kvx_aux_messages_total").increment(1);
+                            self.notify(Notice::Send(endpoint, f));
+                        }
+                        Err(e) => tracing::error!(%room, error = %e, "AUX_DATA not sent"),
+                    }
                 }
                 PrefillAction::SendStatus {
                     room,
@@ -618,6 +642,7 @@ impl PrefillEngine {
             batch_limits: BatchLimits::new(cfg.max_batch_ops.max(1), cfg.max_batch_bytes.max(1))
                 .map_err(|e| EngineError::Config(e.to_string()))?,
             staging: !stage_bufs.is_empty(),
+            aux_over_tcp: cfg.aux_over_tcp,
             ..kvx_core::PrefillConfig::default()
         };
         let staging = (!stage_bufs.is_empty()).then(|| {

@@ -95,6 +95,7 @@ pub fn start_rank(
         staging: args.staging.staging,
         chunked_prefill_size: args.staging.chunked_prefill_size,
         staging_wait_timeout: Duration::from_secs_f64(args.staging_wait_timeout.max(0.0)),
+        aux_over_tcp: args.aux_over_tcp,
     };
     let model = SyntheticModel {
         layout,

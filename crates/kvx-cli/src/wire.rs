@@ -7,7 +7,7 @@
 
 use kvx_core::{DecodeRegistration, Endpoint, KVPoll, Room, TransferRequest};
 
-use kvx_bootstrap::codec::{self, Abort, AbortAck, TransferStatus};
+use kvx_bootstrap::codec::{self, Abort, AbortAck, AuxData, TransferStatus};
 pub use kvx_bootstrap::codec::{CodecError as WireError, Frames};
 use kvx_staging::{ChunkReady, RspPlacement, StagingReq, StagingRsp, Watermark, WatermarkMsg};
 
@@ -157,6 +157,23 @@ pub fn encode_abort_ack(room: Room, prefill_unique_rank: u32) -> Frames {
     .encode()
 }
 
+/// Encodes `AUX_DATA`: the bytes of one aux row for buffer `index`, to be written at the
+/// decode's row `dst_row`.
+pub fn encode_aux_data(
+    room: Room,
+    index: u32,
+    dst_row: u64,
+    row: &[u8],
+) -> Result<Frames, WireError> {
+    AuxData {
+        room,
+        aux_index: index,
+        dst_row: i64::try_from(dst_row).unwrap_or(i64::MAX),
+        payload: row,
+    }
+    .encode()
+}
+
 /// What a decode inbox can receive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeInbound {
@@ -182,8 +199,17 @@ pub enum DecodeInbound {
     StagingReq(StagingReq),
     /// `CHUNK_READY`: a prefill rank finished writing its block of a chunk.
     ChunkReady(ChunkReady),
-    /// A message kind this decode does not use (`AUX_DATA`).
-    Other(&'static str),
+    /// `AUX_DATA`: one aux row sent over the control plane instead of written.
+    AuxData {
+        /// The room.
+        room: Room,
+        /// Aux buffer index.
+        index: u32,
+        /// The decode's row.
+        row: i64,
+        /// The row's bytes.
+        data: Vec<u8>,
+    },
 }
 
 /// Parses a message received on a decode inbox.
@@ -206,6 +232,12 @@ pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInboun
             session: r.session,
             pp_rank: r.pp_rank,
         }),
+        codec::DecodeInbound::AuxData(a) => DecodeInbound::AuxData {
+            room: a.room,
+            index: a.aux_index,
+            row: a.dst_row,
+            data: a.payload.to_vec(),
+        },
         codec::DecodeInbound::ChunkReady(c) => DecodeInbound::ChunkReady(ChunkReady {
             room: c.room,
             chunk_idx: c.chunk_idx,
@@ -214,7 +246,6 @@ pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInboun
             session: c.session,
             prefill_unique_rank: c.prefill_rank,
         }),
-        other => DecodeInbound::Other(other.kind()),
     })
 }
 
@@ -312,6 +343,18 @@ mod tests {
             })
         );
         assert!(parse_decode_inbound(&[b"7".to_vec(), b"4".to_vec()]).is_err());
+        // AUX_DATA: the length frame is big-endian (spec §3.4).
+        let aux = encode_aux_data(room, 1, 17, &[1, 2, 3]).unwrap();
+        assert_eq!(aux[4], [0, 0, 0, 3]);
+        assert_eq!(
+            parse_decode_inbound(&aux),
+            Ok(DecodeInbound::AuxData {
+                room,
+                index: 1,
+                row: 17,
+                data: vec![1, 2, 3]
+            })
+        );
         // The deferred-release ABORT_ACK names the rank; the legacy one does not.
         let ack = encode_abort_ack(room, 3);
         assert_eq!(
