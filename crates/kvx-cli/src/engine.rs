@@ -44,7 +44,7 @@ use kvx_bootstrap::sockets::{
 use kvx_core::prefill::{
     LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager, TransferPath,
 };
-use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, SessionId};
+use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, SessionId, StateComponent};
 use kvx_staging::ChunkGrid;
 
 use crate::fault::TransferThreadFailed;
@@ -132,7 +132,7 @@ impl Default for PrefillConfig {
     }
 }
 
-/// The memory a prefill rank registers once: KV buffers and aux rows.
+/// The memory a prefill rank registers once: KV buffers, aux rows and state components.
 #[derive(Clone, Debug)]
 pub struct PrefillMemory {
     /// MLA (one latent buffer per layer) instead of MHA (K layers then V layers).
@@ -150,6 +150,11 @@ pub struct PrefillMemory {
     /// Bytes per row of each aux buffer; the last buffer's rows carry the room (at least 8
     /// bytes, sglang's `bootstrap_room`).
     pub aux_item_lens: Vec<u64>,
+    /// State components (MAMBA slots, SWA pages, …; empty for plain models), in the order the
+    /// decode registers its state buffers. Chunks name their indices in `src_state`.
+    pub state: Vec<StateComponent>,
+    /// The regions holding the state buffers (registered with the KV and aux regions).
+    pub state_regions: Vec<Arc<Region>>,
 }
 
 impl PrefillMemory {
@@ -157,6 +162,18 @@ impl PrefillMemory {
     #[must_use]
     pub fn mla(mut self, mla: bool) -> Self {
         self.mla = mla;
+        self
+    }
+
+    /// Adds state components whose buffers live in `regions`.
+    #[must_use]
+    pub fn with_state(
+        mut self,
+        regions: Vec<Arc<Region>>,
+        components: Vec<StateComponent>,
+    ) -> Self {
+        self.state_regions = regions;
+        self.state = components;
         self
     }
 
@@ -193,6 +210,8 @@ impl PrefillMemory {
             aux,
             aux_ptrs,
             aux_item_lens,
+            state: Vec::new(),
+            state_regions: Vec::new(),
         }
     }
 }
@@ -602,6 +621,7 @@ impl PrefillEngine {
             Vec::new()
         };
         let mut regions = vec![mem.kv.clone(), mem.aux.clone()];
+        regions.extend(mem.state_regions.iter().cloned());
         regions.extend(stage_bufs.iter().cloned());
         let plane = DataPlane::client(cfg.backend, &name, cfg.connections, regions)?;
         let ctx = zmq::Context::new();
@@ -632,7 +652,7 @@ impl PrefillEngine {
                 mem.aux_item_lens.len().saturating_sub(1),
                 None,
             )?,
-            state: Vec::new(),
+            state: mem.state.clone(),
         };
         let mcfg = kvx_core::PrefillConfig {
             attn_tp_rank: cfg.tp_rank,
