@@ -41,6 +41,7 @@ use crate::pages::PageAllocator;
 use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::wire::{self, DecodeInbound};
+use kvx_staging::DecodeError;
 
 /// Settings of one decode peer.
 #[derive(Clone, Debug)]
@@ -326,6 +327,20 @@ impl Peer {
                     return;
                 };
                 let r = st.on_staging_req(&req);
+                if let Err(
+                    e @ StagingError::State(
+                        DecodeError::ChunkMismatch { .. } | DecodeError::ChunkOutOfGrid { .. },
+                    ),
+                ) = &r
+                {
+                    // The prefill cuts the room on another grid (its chunked prefill size
+                    // differs): no chunk of it can ever land. Fail it now, with the reason,
+                    // instead of at the waiting timeouts of both sides.
+                    let why = format!("staging: {e}; the prefill's chunk grid differs from ours");
+                    let aborts =
+                        self.handle(DecodeEvent::LocalAbort { room: req.room }, Some(&why));
+                    self.send_aborts(aborts).await;
+                }
                 self.after_staging(r, "STAGING_REQ").await;
             }
             Ok(DecodeInbound::ChunkReady(msg)) => {

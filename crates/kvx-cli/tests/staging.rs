@@ -193,3 +193,33 @@ fn killed_decode_mid_staging_leaves_nothing_behind() {
     let out = decode(port, &sb, 1, 0, 12, &load).wait_output(GUARD);
     assert_verified(&out, &sb, 10);
 }
+
+#[test]
+fn mismatched_grids_fail_rooms_with_the_reason() {
+    let port = free_port();
+    // Long timeouts on both sides: only the grid check can end these rooms.
+    let _p = prefill(port, 2, &["--staging-wait-timeout", "600"]);
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("d.json");
+    let extra = [
+        "--requests",
+        "3",
+        "--chunked-prefill-size",
+        "128",
+        "--waiting-timeout",
+        "600",
+    ];
+    let out = decode(port, &s, 1, 0, 12, &extra).wait_output(GUARD);
+    assert!(!out.status.success());
+    let s = summary(&s);
+    assert_eq!(s["failed"], 3, "{s}");
+    let reasons = s["failure_reasons"].as_object().unwrap();
+    assert!(
+        reasons.keys().all(|r| r.contains("chunk grid differs")),
+        "{s}"
+    );
+    // The prefill failed them on the decode's ABORT and holds nothing.
+    wait_drained(port);
+    let m = metrics(port);
+    assert!(metric_sum(&m, "kvx_aborts_total") >= 3.0, "{m}");
+}
