@@ -498,12 +498,43 @@ mod tests {
         }
 
         #[test]
-        fn parsers_never_panic_on_tagged(tag in 0usize..4, rest in proptest::collection::vec(
+        fn parsers_never_panic_on_tagged(tag in 0usize..9, rest in proptest::collection::vec(
             proptest::collection::vec(any::<u8>(), 0..24), 0..20)) {
-            let t: &[u8] = [b"None".as_slice(), b"ABORT", b"123", b"ABORT_ACK"][tag];
+            let t: &[u8] = [
+                b"None".as_slice(),
+                b"ABORT",
+                b"123",
+                b"ABORT_ACK",
+                b"STAGING_REQ",
+                b"STAGING_RSP",
+                b"WATERMARK",
+                b"CHUNK_READY",
+                b"AUX_DATA",
+            ][tag];
             let mut frames = vec![t.to_vec()];
             frames.extend(rest);
             let _ = parse_prefill_inbound(&frames);
+            let _ = parse_decode_inbound(&frames);
+        }
+
+        /// Staging messages with integer fields of any sign and size: the conversions into
+        /// `kvx-staging`'s forms refuse what no decode sends, never panic.
+        #[test]
+        fn staging_conversions_never_panic(tag in 0usize..4, ints in proptest::collection::vec(any::<i64>(), 3..6)) {
+            let t: &[u8] = [
+                b"STAGING_REQ".as_slice(),
+                b"STAGING_RSP",
+                b"WATERMARK",
+                b"CHUNK_READY",
+            ][tag];
+            let mut frames = vec![t.to_vec(), b"7".to_vec()];
+            frames.extend(ints.iter().map(|i| i.to_string().into_bytes()));
+            frames.push(b"10.0.0.2:1".to_vec());
+            if let Ok(PrefillInbound::StagingRsp(r)) = parse_prefill_inbound(&frames)
+                && let RspPlacement::At(p) = r.placement
+            {
+                prop_assert!(p.end >= p.offset);
+            }
             let _ = parse_decode_inbound(&frames);
         }
     }
