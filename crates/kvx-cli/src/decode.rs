@@ -17,7 +17,7 @@
 //! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
 //! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,7 +41,13 @@ use crate::pages::PageAllocator;
 use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::wire::{self, DecodeInbound};
+
+mod aux;
+mod release;
+
+pub use aux::AuxError;
 use kvx_staging::DecodeError;
+use release::AbortWait;
 
 /// Settings of one decode peer.
 #[derive(Clone, Debug)]
@@ -139,43 +145,6 @@ pub struct Summary {
     /// Acknowledged rooms whose pages changed after the last `ABORT_ACK` (must be 0).
     pub late_writes: u64,
 }
-
-/// Why an `AUX_DATA` row was not written (logged, counted, dropped).
-#[derive(Debug, thiserror::Error)]
-pub enum AuxError {
-    /// No such aux buffer here.
-    #[error("aux buffer {0} does not exist")]
-    Index(u32),
-    /// The row lies outside the aux pool.
-    #[error("aux row {0} is outside the pool")]
-    Row(i64),
-    /// The payload is not one of this decode's rows (sglang drops it too).
-    #[error("aux row of {got} bytes, this decode's rows of buffer {index} have {want}")]
-    Length {
-        /// The buffer.
-        index: u32,
-        /// Bytes received.
-        got: usize,
-        /// This decode's row length.
-        want: u64,
-    },
-    /// The row's range is outside the aux region.
-    #[error(transparent)]
-    Bounds(#[from] crate::region::OutOfBounds),
-}
-
-/// Where an `ABORT` went and which ranks acknowledged it.
-#[derive(Default)]
-struct AbortWait {
-    sent_to: HashSet<Endpoint>,
-    acked: HashSet<u32>,
-}
-
-/// A failed room that was not ABORTed keeps its pages this long (its prefill may still have a
-/// write in flight when it reports the failure).
-const FAILED_GRACE: Duration = Duration::from_secs(1);
-/// After the last `ABORT_ACK`, the room's pages must stay unchanged this long.
-const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
 
 /// One room's outcome as reported by the prefill ranks.
 type Outcome = Result<(), String>;
@@ -399,102 +368,6 @@ impl Peer {
         for (ep, frames) in out {
             let _ = self.send(&ep, frames).await;
         }
-    }
-
-    /// Writes an `AUX_DATA` row at `aux_ptr[index] + row · item_len[index]` with this decode's
-    /// own row length (spec §3.4); it arrives before its room's status on the same socket.
-    fn write_aux(&self, index: u32, row: i64, data: &[u8]) -> Result<(), AuxError> {
-        let l = &self.cfg.layout;
-        let i = index as usize;
-        let (Some(&ptr), Some(&want)) =
-            (l.aux_ptrs(self.aux.base()).get(i), l.aux_item_lens().get(i))
-        else {
-            return Err(AuxError::Index(index));
-        };
-        let r = u64::try_from(row)
-            .ok()
-            .filter(|r| *r < l.aux_rows)
-            .ok_or(AuxError::Row(row))?;
-        if data.len() as u64 != want {
-            return Err(AuxError::Length {
-                index,
-                got: data.len(),
-                want,
-            });
-        }
-        self.aux
-            .write_with(ptr + r * want, want, |dst| dst.copy_from_slice(data))?;
-        Ok(())
-    }
-
-    /// True once every rank the room's `ABORT` went to acknowledged it.
-    fn abort_acked(&self, room: Room) -> bool {
-        lock(&self.aborts)
-            .get(&room)
-            .is_some_and(|w| w.acked.len() >= w.sent_to.len())
-    }
-
-    /// Holds a failed room's pages until nothing can land in them any more (see the module
-    /// docs); the caller releases them afterwards.
-    async fn settle_failed(self: &Arc<Self>, room: Room, pages: &[i32]) {
-        if !lock(&self.aborts).contains_key(&room) {
-            tokio::time::sleep(FAILED_GRACE).await;
-            return;
-        }
-        self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
-        let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
-        let acked = loop {
-            let notified = self.acked.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.abort_acked(room) {
-                break true;
-            }
-            if self.dead.load(Ordering::Relaxed)
-                || tokio::time::timeout_at(deadline, notified).await.is_err()
-            {
-                break false;
-            }
-        };
-        lock(&self.aborts).remove(&room);
-        if !acked {
-            metrics::counter!("kvx_decode_abort_release_timeouts_total").increment(1);
-            tracing::warn!(%room, "not every prefill rank acknowledged the ABORT; pages released after a grace");
-            tokio::time::sleep(FAILED_GRACE).await;
-            return;
-        }
-        self.abort_acked_rooms.fetch_add(1, Ordering::Relaxed);
-        let digest = |p: Arc<Peer>, pages: Vec<i32>| {
-            tokio::task::spawn_blocking(move || p.pages_digest(&pages))
-        };
-        let before = digest(self.clone(), pages.to_vec()).await.ok();
-        tokio::time::sleep(LATE_WRITE_WINDOW).await;
-        let after = digest(self.clone(), pages.to_vec()).await.ok();
-        if before != after {
-            self.late_writes.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvx_decode_late_writes_total").increment(1);
-            tracing::error!(%room, "a write landed in the room's pages after every prefill rank acknowledged its ABORT");
-        }
-    }
-
-    /// A digest of every byte of the room's pages in every KV buffer. Read after every prefill
-    /// rank promised to write nothing more into them: a write racing this read is exactly the
-    /// late write it exists to detect.
-    fn pages_digest(&self, pages: &[i32]) -> u64 {
-        use std::hash::Hasher as _;
-        let l = &self.cfg.layout;
-        let mut h = std::hash::DefaultHasher::new();
-        for b in 0..l.num_buffers {
-            let base = l.buffer_addr(self.kv.base(), b);
-            for &p in pages {
-                let addr = base.saturating_add(u64::try_from(p).unwrap_or(u64::MAX) * l.item_len);
-                match self.kv.read(addr, l.item_len) {
-                    Ok(bytes) => h.write(bytes),
-                    Err(_) => h.write_u8(0),
-                }
-            }
-        }
-        h.finish()
     }
 
     /// Sends one message to a prefill rank's inbox, in order after every earlier one.

@@ -38,21 +38,23 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvx_bootstrap::sockets::{
-    Inbox, InboxConfig, InboxKind, PushCache, PushOptions, SocketError, zmq,
-};
-use kvx_core::prefill::{
-    LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager, TransferPath,
-};
+use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, SocketError, zmq};
+use kvx_core::prefill::{LocalMemory, PrefillAction, PrefillError, PrefillEvent, PrefillManager};
 use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, SessionId, StateComponent};
 use kvx_staging::ChunkGrid;
 
 use crate::fault::TransferThreadFailed;
 use crate::plane::DataPlane;
-use crate::prefill_staging::{Effect, LocalShape, StagingDriver};
+use crate::prefill_staging::{LocalShape, StagingDriver};
 use crate::region::Region;
-use crate::wire::{self, Frames, PrefillInbound};
+use crate::wire::{self, PrefillInbound};
 use crate::worker::{self, Job, JobQueue, Work};
+
+mod notifier;
+mod staging;
+
+pub(crate) use notifier::Notice;
+use notifier::notifier;
 
 /// Settings of one prefill rank.
 #[derive(Clone, Debug)]
@@ -255,11 +257,6 @@ pub enum EngineError {
     Layout(#[from] kvx_core::LayoutError),
 }
 
-pub(crate) enum Notice {
-    Send(Endpoint, Frames),
-    Flush(Sender<()>),
-}
-
 /// Rooms as the driver tracks them beside the manager.
 #[derive(Default)]
 struct RoomSets {
@@ -395,54 +392,6 @@ impl Shared {
     /// The transfer queue of a decode session: all chunks of a room stay on one queue, in order.
     pub(crate) fn shard_of(&self, session: &SessionId) -> usize {
         (session.port().unwrap_or(0) % self.queues.len().max(1) as u64) as usize
-    }
-
-    /// Runs `f` on the staging driver (when staging is on) and performs its effects.
-    pub(crate) fn with_staging<R>(
-        &self,
-        f: impl FnOnce(&mut StagingDriver, &mut Vec<Effect>) -> R,
-    ) -> Option<R> {
-        let st = self.staging.as_ref()?;
-        let mut fx = Vec::new();
-        let r = f(&mut lock(st), &mut fx);
-        self.perform(fx);
-        Some(r)
-    }
-
-    /// Performs the staging driver's effects (never under its lock: completions re-enter the
-    /// room manager, which may conclude rooms and call back into the driver).
-    pub(crate) fn perform(&self, effects: Vec<Effect>) {
-        for e in effects {
-            match e {
-                Effect::Send(endpoint, frames) => {
-                    let _ = lock(&self.notices).send(Notice::Send(endpoint, frames));
-                }
-                Effect::Post(work) => {
-                    metrics::counter!("kvx_staged_chunks_posted_total").increment(1);
-                    let shard = self.shard_of(&work.key.session);
-                    let job = Job {
-                        room: work.key.room,
-                        session: work.key.session.clone(),
-                        work: Work::Stage(work),
-                    };
-                    if let Err(e) = self.queues[shard].send(job)
-                        && let Work::Stage(w) = e.0.work
-                    {
-                        self.with_staging(|d, fx| {
-                            d.chunk_done(&w.batches, Err("transfer queue closed".into()), fx)
-                        });
-                    }
-                }
-                Effect::Done(batch_id, result) => {
-                    let _ = self.handle(PrefillEvent::BatchDone { batch_id, result });
-                }
-                Effect::Fail(room, reason) => {
-                    if self.fail_room(room, &reason) {
-                        metrics::counter!("kvx_staging_room_failures_total").increment(1);
-                    }
-                }
-            }
-        }
     }
 
     /// Queues a message for the notifier (sent in order after every earlier one).
@@ -802,58 +751,6 @@ impl Drop for PrefillEngine {
     }
 }
 
-/// Sockets toward decodes idle this long are closed (a departed decode leaves nothing behind).
-const SOCKET_IDLE: Duration = Duration::from_secs(2);
-/// Most decode inboxes the notifier keeps a socket open to (least recently used closed first).
-const NOTIFIER_SOCKETS: usize = 1024;
-
-/// Options of the notifier's sockets: sglang's prefill-to-decode options (no reconnect, keepalive,
-/// disconnect monitor), except that a send never waits (a decode that cannot take a status right
-/// now loses it, counted, instead of holding up every other decode's) and a socket closed while
-/// idle gets a second to flush what it still holds.
-fn notifier_options() -> PushOptions {
-    PushOptions {
-        linger: Duration::from_secs(1),
-        ..PushOptions::toward_decode().with_send_timeout(Duration::ZERO)
-    }
-}
-
-/// Sends every notice in order through one PUSH socket cache; closes sockets idle for
-/// [`SOCKET_IDLE`] and those whose decode disconnected.
-fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
-    let mut cache = PushCache::new(&ctx, notifier_options(), NOTIFIER_SOCKETS);
-    let mut used: HashMap<Endpoint, Instant> = HashMap::new();
-    loop {
-        let n = match rx.recv_timeout(Duration::from_millis(500)) {
-            Ok(n) => n,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                used.retain(|ep, t| {
-                    let keep = t.elapsed() < SOCKET_IDLE;
-                    if !keep {
-                        cache.disconnect(ep);
-                    }
-                    keep
-                });
-                cache.reap_disconnected();
-                continue;
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-        };
-        match n {
-            Notice::Flush(done) => {
-                let _ = done.send(());
-            }
-            Notice::Send(ep, frames) => {
-                used.insert(ep.clone(), Instant::now());
-                if let Err(e) = cache.send(&ep, &frames) {
-                    metrics::counter!("kvx_notice_failures_total").increment(1);
-                    tracing::warn!(%ep, error = %e, "status message dropped");
-                }
-            }
-        }
-    }
-}
-
 /// Feeds every accepted message of the inbox to the engine until it stops. Malformed messages
 /// never get here: the inbox drops them; their count is mirrored into
 /// `kvx_malformed_frames_total` (with the inbox's reasons in `kvx_bootstrap_inbox_dropped_total`).
@@ -926,7 +823,7 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
             let session = req.session.clone();
             let _ = shared.handle(PrefillEvent::Metadata(*req));
             if let Some(total_pages) = total_pages {
-                open_staging(shared, room, &session, total_pages);
+                staging::open(shared, room, &session, total_pages);
             }
             if shared.cfg.auto_open {
                 // The synthetic forward pass: every announced room gets a sender.
@@ -949,89 +846,16 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
             metrics::counter!("kvx_aborts_total").increment(1);
             let _ = shared.handle(PrefillEvent::Abort { room, endpoint });
         }
-        PrefillInbound::StagingRsp(rsp) => {
-            let now = Instant::now();
-            match shared.with_staging(|d, fx| d.on_rsp(now, &rsp, fx)) {
-                None => {
-                    metrics::counter!("kvx_ignored_messages_total", "kind" => "staging_rsp")
-                        .increment(1);
-                }
-                Some(Err(e)) => {
-                    // Mostly a response to another rank's request for a room this rank already
-                    // concluded: every prefill rank of a room gets every response.
-                    metrics::counter!("kvx_staging_dropped_total", "kind" => staging_error_kind(&e))
-                        .increment(1);
-                    tracing::debug!(error = %e, "STAGING_RSP dropped");
-                }
-                Some(Ok(())) => {}
-            }
-        }
-        PrefillInbound::Watermark(wm) => {
-            let now = Instant::now();
-            if shared
-                .with_staging(|d, fx| d.on_watermark(now, &wm, fx))
-                .is_none()
-            {
-                metrics::counter!("kvx_ignored_messages_total", "kind" => "watermark").increment(1);
-            }
-        }
+        PrefillInbound::StagingRsp(rsp) => staging::on_rsp(shared, &rsp),
+        PrefillInbound::Watermark(wm) => staging::on_watermark(shared, &wm),
     }
-}
-
-fn staging_error_kind(e: &kvx_staging::PrefillError) -> &'static str {
-    match e {
-        kvx_staging::PrefillError::UnknownRoom(_) => "unknown_room",
-        kvx_staging::PrefillError::Conflict(_) => "conflict",
-        kvx_staging::PrefillError::TooManyChunks(_) => "too_many_chunks",
-    }
-}
-
-/// Opens the room's staging towards `session` (requests ring space for every chunk) when its
-/// KV takes the staging path. Checked and opened under the manager's lock, so a room that
-/// concludes meanwhile is either not opened or cleaned up by its conclusion.
-fn open_staging(shared: &Shared, room: Room, session: &SessionId, total_pages: usize) {
-    let Some(st) = &shared.staging else {
-        return;
-    };
-    let mut fx = Vec::new();
-    {
-        let table = lock(&shared.table);
-        let open = table.poll(room).is_some_and(|p| !p.is_terminal());
-        if !open || table.path_for(session) != Some(TransferPath::Staging) {
-            return;
-        }
-        if let Some(reg) = table.registration(session) {
-            lock(st).open(room, reg, total_pages, &mut fx);
-        }
-    }
-    shared.perform(fx);
 }
 
 fn timer_loop(shared: &Shared) {
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         let _ = shared.handle(PrefillEvent::Tick);
-        let now = Instant::now();
-        // Rooms the manager no longer holds are forgotten (a safety net behind conclusions);
-        // the manager's lock is never taken under the driver's.
-        let held = shared.with_staging(|d, _| d.rooms()).unwrap_or_default();
-        let gone: Vec<Room> = {
-            let table = lock(&shared.table);
-            held.into_iter()
-                .filter(|r| table.poll(*r).is_none())
-                .collect()
-        };
-        let staged = shared.with_staging(|d, fx| {
-            d.expire(now, fx);
-            for room in gone {
-                d.conclude(room, fx);
-            }
-            (d.room_count(), d.parked_count())
-        });
-        if let Some((rooms, parked)) = staged {
-            metrics::gauge!("kvx_staging_rooms").set(rooms as f64);
-            metrics::gauge!("kvx_staging_parked_chunks").set(parked as f64);
-        }
+        staging::tick(shared);
         let mut counts = [0usize; 5];
         let live = {
             let m = lock(&shared.table);

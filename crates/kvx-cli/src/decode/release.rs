@@ -1,0 +1,106 @@
+//! Deferred release of a failed room's pages on the decode (sglang's deferred KV release, made
+//! checkable). A room this decode ABORTed keeps its pages until every prefill rank the `ABORT`
+//! went to returned a ranked `ABORT_ACK` — a kvx prefill sends it only once nothing of the room
+//! is in flight — or until the release timeout; then the pages must stay unchanged for
+//! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. A room that failed without an
+//! `ABORT` (the prefill reported it, or the prefill is gone) keeps its pages for [`FAILED_GRACE`].
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvx_core::{Endpoint, Room};
+
+use super::{Peer, lock};
+
+/// Where an `ABORT` went and which ranks acknowledged it.
+#[derive(Default)]
+pub(super) struct AbortWait {
+    /// The prefill inboxes the `ABORT` went to.
+    pub(super) sent_to: HashSet<Endpoint>,
+    /// The ranks whose ranked `ABORT_ACK` came back.
+    pub(super) acked: HashSet<u32>,
+}
+
+/// A failed room that was not ABORTed keeps its pages this long (its prefill may still have a
+/// write in flight when it reports the failure).
+const FAILED_GRACE: Duration = Duration::from_secs(1);
+/// After the last `ABORT_ACK`, the room's pages must stay unchanged this long.
+const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
+
+impl Peer {
+    /// True once every rank the room's `ABORT` went to acknowledged it.
+    fn abort_acked(&self, room: Room) -> bool {
+        lock(&self.aborts)
+            .get(&room)
+            .is_some_and(|w| w.acked.len() >= w.sent_to.len())
+    }
+
+    /// Holds a failed room's pages until nothing can land in them any more (see the module
+    /// docs); the caller releases them afterwards.
+    pub(super) async fn settle_failed(self: &Arc<Self>, room: Room, pages: &[i32]) {
+        if !lock(&self.aborts).contains_key(&room) {
+            tokio::time::sleep(FAILED_GRACE).await;
+            return;
+        }
+        self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
+        let acked = loop {
+            let notified = self.acked.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.abort_acked(room) {
+                break true;
+            }
+            if self.dead.load(Ordering::Relaxed)
+                || tokio::time::timeout_at(deadline, notified).await.is_err()
+            {
+                break false;
+            }
+        };
+        lock(&self.aborts).remove(&room);
+        if !acked {
+            metrics::counter!("kvx_decode_abort_release_timeouts_total").increment(1);
+            tracing::warn!(%room, "not every prefill rank acknowledged the ABORT; pages released after a grace");
+            tokio::time::sleep(FAILED_GRACE).await;
+            return;
+        }
+        self.abort_acked_rooms.fetch_add(1, Ordering::Relaxed);
+        let digest = |p: Arc<Peer>, pages: Vec<i32>| {
+            tokio::task::spawn_blocking(move || p.pages_digest(&pages))
+        };
+        let before = digest(self.clone(), pages.to_vec()).await.ok();
+        tokio::time::sleep(LATE_WRITE_WINDOW).await;
+        let after = digest(self.clone(), pages.to_vec()).await.ok();
+        if before != after {
+            self.late_writes.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvx_decode_late_writes_total").increment(1);
+            tracing::error!(%room, "a write landed in the room's pages after every prefill rank acknowledged its ABORT");
+        }
+    }
+
+    /// A digest of every byte of the room's pages in every KV buffer. Read after every prefill
+    /// rank promised to write nothing more into them: a write racing this read is exactly the
+    /// late write it exists to detect.
+    fn pages_digest(&self, pages: &[i32]) -> u64 {
+        use std::hash::Hasher as _;
+        let l = &self.cfg.layout;
+        let mut h = std::hash::DefaultHasher::new();
+        for b in 0..l.num_buffers {
+            let base = l.buffer_addr(self.kv.base(), b);
+            for &p in pages {
+                let addr = base.saturating_add(
+                    u64::try_from(p)
+                        .unwrap_or(u64::MAX)
+                        .saturating_mul(l.item_len),
+                );
+                match self.kv.read(addr, l.item_len) {
+                    Ok(bytes) => h.write(bytes),
+                    Err(_) => h.write_u8(0),
+                }
+            }
+        }
+        h.finish()
+    }
+}
