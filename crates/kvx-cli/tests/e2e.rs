@@ -208,17 +208,7 @@ fn malformed_flood_is_counted_and_dropped() {
         http_get(port, "/metrics")
             .is_some_and(|(_, m)| metric_sum(&m, "kvx_malformed_frames_total") >= n as f64)
     });
-    let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("s.json");
-    let out =
-        start_decode(port, &s, &["--requests", "6", "--prompt-tokens", "300"]).wait_output(GUARD);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(summary(&s)["verified"], 6);
-    let (_, m) = http_get(port, "/metrics").unwrap();
+    let m = six_rooms_verified(port);
     assert_eq!(
         metric_sum(&m, "kvx_malformed_frames_total"),
         n as f64,
@@ -231,18 +221,8 @@ fn malformed_flood_is_counted_and_dropped() {
 fn aux_rows_over_zmq_are_verified() {
     let port = free_port();
     let _prefill = start_prefill(port, &["--aux-over-tcp"], &[]);
-    let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("d.json");
-    let out =
-        start_decode(port, &s, &["--requests", "6", "--prompt-tokens", "300"]).wait_output(GUARD);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     // The decode checks each room's aux data row and room slot: they came as AUX_DATA, one
     // message per aux buffer, ahead of the status.
-    assert_eq!(summary(&s)["verified"], 6);
-    let (_, m) = http_get(port, "/metrics").unwrap();
+    let m = six_rooms_verified(port);
     assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 12.0, "{m}");
 }

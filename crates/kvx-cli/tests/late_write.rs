@@ -6,14 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use kvx_bootstrap::codec::AbortAck;
-use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
-use kvx_cli::config::ModelArgs;
 use kvx_cli::decode::{self, DecodeConfig};
 use kvx_cli::model::ModelPreset;
 use kvx_cli::plane::{Backend, DataPlane};
-use kvx_cli::prefill_cmd::rank_registration;
 use kvx_cli::region::Region;
 use kvx_cli::wire::{self, PrefillInbound};
 use kvx_core::TransferOp;
@@ -30,29 +29,10 @@ fn recv(rt: &tokio::runtime::Runtime, inbox: &mut Inbox) -> PrefillInbound {
 fn a_write_after_the_abort_ack_is_counted() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
-    let server = rt
-        .block_on(BootstrapServer::bind(
-            ("127.0.0.1", 0),
-            ServerConfig::default(),
-        ))
-        .unwrap();
-    let port = server.local_addr().port();
+    let (server, port) = common::bootstrap_server(&rt);
     let ctx = zmq::Context::new();
     let mut inbox = Inbox::bind(&ctx, InboxConfig::new("127.0.0.1", InboxKind::Prefill)).unwrap();
-    let args = ModelArgs {
-        model: ModelPreset::Tiny,
-        tp_size: 1,
-        tp_rank: 0,
-        page_size: 16,
-        pool_pages: 64,
-        kv_cache_dtype: "auto".into(),
-    };
-    let client = BootstrapClient::new("127.0.0.1", port).unwrap();
-    rt.block_on(client.register_rank(
-        &rank_registration(&args, "127.0.0.1", inbox.endpoint().port),
-        &RetryPolicy::immediate(3, Duration::from_secs(5)),
-    ))
-    .unwrap();
+    common::register_tiny_rank(&rt, port, 64, inbox.endpoint().port);
     let src = Arc::new(Region::new(layout.item_len as usize));
     let plane = DataPlane::client(Backend::Tcp, "late-writer", 1, vec![src.clone()]).unwrap();
 

@@ -2,16 +2,16 @@
 //! metadata arrives, initialises them once ready, writes its KV and hands chunks over, exactly as
 //! a serving engine's forward pass would; an in-process decode peer verifies every byte.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
-use kvx_cli::config::ModelArgs;
 use kvx_cli::decode::{self, DecodeConfig};
 use kvx_cli::engine::{PrefillConfig, PrefillEngine};
 use kvx_cli::forward::SyntheticModel;
 use kvx_cli::model::ModelPreset;
 use kvx_cli::pages::PageAllocator;
-use kvx_cli::prefill_cmd::{prefill_memory, rank_registration};
+use kvx_cli::prefill_cmd::prefill_memory;
 use kvx_core::{Chunk, KVPoll, PageSlice, Room};
 
 #[test]
@@ -19,31 +19,14 @@ fn embedded_sender_serves_a_decode() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 256);
     let mem = prefill_memory(&layout);
-    let server = rt
-        .block_on(BootstrapServer::bind(
-            ("127.0.0.1", 0),
-            ServerConfig::default(),
-        ))
-        .unwrap();
-    let port = server.local_addr().port();
+    let (server, port) = common::bootstrap_server(&rt);
     let cfg = PrefillConfig {
         bootstrap_port: port,
         total_kv_heads: layout.total_kv_heads,
         ..PrefillConfig::default()
     };
     let engine = PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).unwrap();
-    let model_args = ModelArgs {
-        model: ModelPreset::Tiny,
-        tp_size: 1,
-        tp_rank: 0,
-        page_size: 16,
-        pool_pages: 256,
-        kv_cache_dtype: "auto".into(),
-    };
-    let reg = rank_registration(&model_args, "127.0.0.1", engine.endpoint().port);
-    let client = BootstrapClient::new("127.0.0.1", port).unwrap();
-    rt.block_on(client.register_rank(&reg, &RetryPolicy::immediate(3, Duration::from_secs(5))))
-        .unwrap();
+    common::register_tiny_rank(&rt, port, 256, engine.endpoint().port);
 
     // The router hands rooms 1000..1006 to both sides; the prefill's requests exist first.
     let rooms: Vec<Room> = (1000..1006).map(|r| Room::new(r).unwrap()).collect();

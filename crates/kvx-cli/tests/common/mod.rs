@@ -9,6 +9,11 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
+use kvx_cli::config::ModelArgs;
+use kvx_cli::model::ModelPreset;
+use kvx_cli::prefill_cmd::rank_registration;
+
 pub const KVX: &str = env!("CARGO_BIN_EXE_kvx");
 
 /// A port that was free a moment ago.
@@ -144,6 +149,42 @@ pub const MODEL: &[&str] = &[
     "256",
 ];
 
+/// A bootstrap server on a free loopback port (in `rt`), and its port.
+pub fn bootstrap_server(rt: &tokio::runtime::Runtime) -> (BootstrapServer, u16) {
+    let server = rt
+        .block_on(BootstrapServer::bind(
+            ("127.0.0.1", 0),
+            ServerConfig::default(),
+        ))
+        .unwrap();
+    let port = server.local_addr().port();
+    (server, port)
+}
+
+/// Registers rank 0 of a TP1 `tiny` instance (page size 16, `pool_pages` pages) whose inbox is
+/// on `inbox_port` with the bootstrap server on `port`.
+pub fn register_tiny_rank(
+    rt: &tokio::runtime::Runtime,
+    port: u16,
+    pool_pages: u64,
+    inbox_port: u16,
+) {
+    let args = ModelArgs {
+        model: ModelPreset::Tiny,
+        tp_size: 1,
+        tp_rank: 0,
+        page_size: 16,
+        pool_pages,
+        kv_cache_dtype: "auto".into(),
+    };
+    let client = BootstrapClient::new("127.0.0.1", port).unwrap();
+    rt.block_on(client.register_rank(
+        &rank_registration(&args, "127.0.0.1", inbox_port),
+        &RetryPolicy::immediate(3, Duration::from_secs(5)),
+    ))
+    .unwrap();
+}
+
 /// Decode load that runs until it is killed: 500-token rooms, 8 in flight.
 pub const ENDLESS_LOAD: &[&str] = &[
     "--requests",
@@ -209,4 +250,20 @@ pub fn inbox(port: u16) -> String {
         v["rank_ip"].as_str().unwrap(),
         v["rank_port"].as_u64().unwrap()
     )
+}
+
+/// Runs a decode of six 300-token rooms against the prefill on `port`, asserts every byte
+/// verified, and returns the prefill's metrics afterwards.
+pub fn six_rooms_verified(port: u16) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("six.json");
+    let out = start_decode(port, &s, &["--requests", "6", "--prompt-tokens", "300"])
+        .wait_output(Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary(&s)["verified"], 6);
+    http_get(port, "/metrics").unwrap().1
 }
