@@ -97,6 +97,37 @@ pub struct DecodeConfig {
     pub staging: Option<DecodeStagingConfig>,
 }
 
+impl DecodeConfig {
+    /// A decode of one room against the bootstrap server at `bootstrap_host:bootstrap_port`
+    /// with `layout`, on loopback, with the CLI's defaults elsewhere (TP 1, 1024-token prompts,
+    /// 4 in flight, sglang's timeouts, tcp, no staging); set the fields that matter.
+    pub fn new(bootstrap_host: impl Into<String>, bootstrap_port: u16, layout: KvLayout) -> Self {
+        DecodeConfig {
+            bootstrap_host: bootstrap_host.into(),
+            bootstrap_port,
+            host: "127.0.0.1".into(),
+            layout,
+            tp_size: 1,
+            tp_rank: 0,
+            kv_cache_dtype: "auto".into(),
+            requests: 1,
+            prompt_tokens: (1024, 1024),
+            concurrency: 4,
+            fragmentation: 0.5,
+            waiting_timeout: Duration::from_secs(300),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_max_failure: 2,
+            zmq_send_timeout: Duration::from_secs(1),
+            abort_release_timeout: Duration::from_secs(30),
+            seed: 0,
+            room_base: None,
+            progress: false,
+            backend: crate::plane::Backend::Tcp,
+            staging: None,
+        }
+    }
+}
+
 /// The decode's staging ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeStagingConfig {

@@ -65,10 +65,6 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             .await
             .context("registering the prefill rank")?;
         let cfg = DecodeConfig {
-            bootstrap_host: "127.0.0.1".into(),
-            bootstrap_port: port,
-            host: "127.0.0.1".into(),
-            layout: layout.clone(),
             tp_size: m.tp_size,
             tp_rank: m.tp_rank,
             kv_cache_dtype: m.kv_cache_dtype.clone(),
@@ -76,16 +72,10 @@ pub fn run(args: DemoArgs) -> Result<i32> {
             prompt_tokens: (args.prompt_tokens, args.prompt_tokens),
             concurrency: args.concurrency,
             fragmentation: args.fragmentation,
-            waiting_timeout: Duration::from_secs(300),
-            heartbeat_interval: Duration::from_secs(5),
-            heartbeat_max_failure: 2,
-            zmq_send_timeout: Duration::from_secs(1),
-            abort_release_timeout: Duration::from_secs(30),
             seed: 0xdec0de,
-            room_base: None,
             progress: true,
             backend: args.backend,
-            staging: None,
+            ..DecodeConfig::new("127.0.0.1", port, layout.clone())
         };
         let summary = decode::run(cfg).await?;
         let fatal = engine.wait_fatal(Duration::ZERO);

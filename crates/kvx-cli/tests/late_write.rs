@@ -37,27 +37,13 @@ fn a_write_after_the_abort_ack_is_counted() {
     let plane = DataPlane::client(Backend::Tcp, "late-writer", 1, vec![src.clone()]).unwrap();
 
     let cfg = DecodeConfig {
-        bootstrap_host: "127.0.0.1".into(),
-        bootstrap_port: port,
-        host: "127.0.0.1".into(),
-        layout: layout.clone(),
-        tp_size: 1,
-        tp_rank: 0,
-        kv_cache_dtype: "auto".into(),
-        requests: 1,
         prompt_tokens: (100, 100),
-        concurrency: 1,
         fragmentation: 0.0,
         waiting_timeout: Duration::from_secs(1),
-        heartbeat_interval: Duration::from_secs(5),
-        heartbeat_max_failure: 2,
-        zmq_send_timeout: Duration::from_secs(1),
         abort_release_timeout: Duration::from_secs(10),
         seed: 3,
         room_base: Some(500),
-        progress: false,
-        backend: Backend::Tcp,
-        staging: None,
+        ..DecodeConfig::new("127.0.0.1", port, layout.clone())
     };
     let decode = rt.spawn(decode::run(cfg));
 

@@ -35,27 +35,13 @@ fn embedded_sender_serves_a_decode() {
         assert_eq!(engine.poll(r), Some(KVPoll::Bootstrapping));
     }
     let dcfg = DecodeConfig {
-        bootstrap_host: "127.0.0.1".into(),
-        bootstrap_port: port,
-        host: "127.0.0.1".into(),
-        layout: layout.clone(),
-        tp_size: 1,
-        tp_rank: 0,
-        kv_cache_dtype: "auto".into(),
         requests: rooms.len(),
         prompt_tokens: (100, 100),
         concurrency: rooms.len(),
-        fragmentation: 0.5,
         waiting_timeout: Duration::from_secs(60),
-        heartbeat_interval: Duration::from_secs(5),
-        heartbeat_max_failure: 2,
-        zmq_send_timeout: Duration::from_secs(1),
-        abort_release_timeout: Duration::from_secs(30),
         seed: 7,
         room_base: Some(1000),
-        progress: false,
-        backend: kvx_cli::plane::Backend::Tcp,
-        staging: None,
+        ..DecodeConfig::new("127.0.0.1", port, layout.clone())
     };
     let decode = rt.spawn(decode::run(dcfg));
 
