@@ -271,6 +271,16 @@ pub struct DemoArgs {
     /// Data-plane backend (`local`: memcpy between the two sides of this process).
     #[arg(long, value_enum, default_value = "tcp")]
     pub backend: crate::plane::Backend,
+    /// Decode attention-TP size (default: `--tp-size`); all prefill and decode ranks run in
+    /// this process.
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
+    /// Staging (used when the two TP sizes differ).
+    #[command(flatten)]
+    pub staging: StagingArgs,
+    /// Size of each decode rank's staging ring in MiB (with --staging).
+    #[arg(long, default_value_t = 1024)]
+    pub staging_ring_mib: u64,
 }
 
 /// Flags of `kvx send`.

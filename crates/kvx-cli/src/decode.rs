@@ -164,6 +164,8 @@ pub struct Summary {
     pub latencies_ms: Vec<f64>,
     /// Failure reasons and how many rooms each.
     pub failure_reasons: HashMap<String, usize>,
+    /// Rooms that failed or arrived corrupt, in request order.
+    pub unverified_rooms: Vec<u64>,
     /// Chunks that arrived through the staging ring and were scattered (0 without staging).
     pub staged_chunks: u64,
     /// Messages at the decode's inbox that were malformed (dropped by the inbox or refused by
@@ -687,12 +689,12 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         let permit = sem.clone().acquire_owned().await?;
         let (peer, topo, bar) = (peer.clone(), topo.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
-            let r = one_request(&peer, &topo, room, tokens).await;
+            let (result, latency) = one_request(&peer, &topo, room, tokens).await;
             drop(permit);
             if let Some(b) = &bar {
                 b.inc(1);
             }
-            r
+            (room, result, latency)
         }));
     }
     let mut s = Summary {
@@ -701,7 +703,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     };
     let mut lat = Vec::new();
     for t in tasks {
-        let (outcome, latency) = t.await?;
+        let (room, outcome, latency) = t.await?;
         lat.push(latency.as_secs_f64() * 1e3);
         match outcome {
             RoomResult::Verified => {
@@ -711,10 +713,12 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             RoomResult::Corrupt => {
                 s.succeeded += 1;
                 s.corrupt += 1;
+                s.unverified_rooms.push(room.get());
             }
             RoomResult::Failed(reason) => {
                 s.failed += 1;
                 *s.failure_reasons.entry(reason).or_default() += 1;
+                s.unverified_rooms.push(room.get());
             }
         }
     }
@@ -747,6 +751,57 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     metrics::counter!("kvx_decode_rooms_total", "result" => "failed").increment(s.failed as u64);
     metrics::counter!("kvx_decode_rooms_total", "result" => "corrupt").increment(s.corrupt as u64);
     Ok(s)
+}
+
+impl Summary {
+    /// One summary for the decode ranks of one instance that ran the same rooms (same seed):
+    /// a room counts as verified only when no rank failed it or found it corrupt; bytes, staged
+    /// chunks and dropped messages add up; a room's latency is its slowest rank's; `failed` and
+    /// `corrupt` are the most on any one rank.
+    pub fn merge_ranks(ranks: &[Summary]) -> Summary {
+        let Some(first) = ranks.first() else {
+            return Summary::default();
+        };
+        let mut out = Summary {
+            requests: first.requests,
+            ..Summary::default()
+        };
+        let mut unverified: Vec<u64> = ranks
+            .iter()
+            .flat_map(|r| r.unverified_rooms.iter().copied())
+            .collect();
+        unverified.sort_unstable();
+        unverified.dedup();
+        out.verified = out.requests.saturating_sub(unverified.len());
+        out.unverified_rooms = unverified;
+        for r in ranks {
+            out.failed = out.failed.max(r.failed);
+            out.corrupt = out.corrupt.max(r.corrupt);
+            out.bytes += r.bytes;
+            out.seconds = out.seconds.max(r.seconds);
+            out.staged_chunks += r.staged_chunks;
+            out.dropped_messages += r.dropped_messages;
+            out.aborted_rooms += r.aborted_rooms;
+            out.abort_acked_rooms += r.abort_acked_rooms;
+            out.late_writes += r.late_writes;
+            for (why, n) in &r.failure_reasons {
+                *out.failure_reasons.entry(why.clone()).or_default() += n;
+            }
+            if out.latencies_ms.len() < r.latencies_ms.len() {
+                out.latencies_ms.resize(r.latencies_ms.len(), 0.0);
+            }
+            for (m, l) in out.latencies_ms.iter_mut().zip(&r.latencies_ms) {
+                *m = m.max(*l);
+            }
+        }
+        out.succeeded = out.requests.saturating_sub(out.failed);
+        out.gbps = out.bytes as f64 / out.seconds.max(1e-9) / 1e9;
+        let mut lat = out.latencies_ms.clone();
+        lat.sort_by(f64::total_cmp);
+        out.p50_ms = percentile(&lat, 0.50);
+        out.p99_ms = percentile(&lat, 0.99);
+        out
+    }
 }
 
 /// The `q` quantile of sorted values (nearest rank), 0 for none.
@@ -975,5 +1030,35 @@ async fn ticker(peer: Arc<Peer>) {
             metrics::gauge!("kvx_decode_staging_allocations").set(allocations as f64);
             metrics::gauge!("kvx_decode_staging_fenced_rooms").set(fenced as f64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_ranks_verify_a_room_only_when_every_rank_did() {
+        let rank = |unverified: Vec<u64>, failed, lat: Vec<f64>| Summary {
+            requests: 4,
+            failed,
+            verified: 4 - unverified.len(),
+            unverified_rooms: unverified,
+            bytes: 100,
+            seconds: 2.0,
+            latencies_ms: lat,
+            staged_chunks: 3,
+            ..Summary::default()
+        };
+        let m = Summary::merge_ranks(&[
+            rank(vec![7], 1, vec![1.0, 5.0, 1.0, 1.0]),
+            rank(vec![9], 1, vec![2.0, 1.0, 1.0, 1.0]),
+        ]);
+        // Rooms 7 and 9 each failed on one rank: 2 of 4 rooms arrived whole.
+        assert_eq!((m.verified, m.unverified_rooms.clone()), (2, vec![7, 9]));
+        assert_eq!((m.bytes, m.staged_chunks, m.failed), (200, 6, 1));
+        assert_eq!(m.latencies_ms, vec![2.0, 5.0, 1.0, 1.0]);
+        assert_eq!(m.p99_ms, 5.0);
+        assert_eq!(Summary::merge_ranks(&[]).requests, 0);
     }
 }

@@ -1,5 +1,7 @@
 //! `kvx demo`: a bootstrap server, one prefill rank and one decode peer in one process, over
-//! loopback TCP, with Llama-3-8B-shaped rooms by default. Prints rooms, bytes, GB/s and room
+//! loopback TCP, with Llama-3-8B-shaped rooms by default (`--tp-size` / `--decode-tp` run every
+//! rank of both instances in the process, `--staging` sends between different TP sizes through
+//! the decode rings). Prints rooms, bytes, GB/s and room
 //! latency percentiles, and as its last line `verified: N/N rooms …`; the exit code is non-zero
 //! when any room failed or did not verify.
 
@@ -8,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 
-use crate::config::{DemoArgs, PrefillArgs};
+use crate::config::{DemoArgs, ModelArgs, PrefillArgs};
 use crate::decode::{self, DecodeConfig};
 use crate::prefill_cmd::{rank_registration, start_rank};
 use crate::telemetry;
@@ -21,9 +23,9 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         .enable_all()
         .build()?;
     let m = args.model.clone();
-    let layout = m
-        .model
-        .layout(m.tp_size, m.tp_rank, m.page_size, m.pool_pages);
+    let prefill_tp = m.tp_size.max(1);
+    let decode_tp = args.decode_tp.unwrap_or(prefill_tp).max(1);
+    let layout = m.model.layout(decode_tp, 0, m.page_size, m.pool_pages);
     let (summary, fatal) = rt.block_on(async {
         let server = BootstrapServer::bind_with(
             ("127.0.0.1", 0),
@@ -33,54 +35,78 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         .await
         .context("binding the bootstrap server")?;
         let port = server.local_addr().port();
-        let pargs = PrefillArgs {
-            model: m.clone(),
-            bootstrap_host: "127.0.0.1".into(),
-            bootstrap_port: port,
-            serve_bootstrap: false,
-            host: "127.0.0.1".into(),
-            inbox_port: 0,
-            metrics_port: None,
-            queues: args.queues,
-            bootstrap_timeout: 300.0,
-            max_batch_ops: 1024,
-            max_batch_mib: 64,
-            chunk_pages: args.chunk_pages,
-            fragmentation: args.fragmentation,
-            restart_workers: false,
-            backend: "tcp".into(),
-            connections: 2,
-            staging: crate::config::StagingArgs {
-                staging: false,
-                chunked_prefill_size: 8192,
-            },
-            staging_wait_timeout: 60.0,
-            aux_over_tcp: false,
-        };
-        let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
         let client = BootstrapClient::new("127.0.0.1", port)?;
-        let reg = rank_registration(&m, &engine.endpoint().host, engine.endpoint().port);
-        client
-            .register_rank(&reg, &RetryPolicy::sglang())
-            .await
-            .context("registering the prefill rank")?;
-        let cfg = DecodeConfig {
-            tp_size: m.tp_size,
-            tp_rank: m.tp_rank,
-            kv_cache_dtype: m.kv_cache_dtype.clone(),
-            requests: args.rooms,
-            prompt_tokens: (args.prompt_tokens, args.prompt_tokens),
-            concurrency: args.concurrency,
-            fragmentation: args.fragmentation,
-            seed: 0xdec0de,
-            progress: true,
-            backend: args.backend,
-            ..DecodeConfig::new("127.0.0.1", port, layout.clone())
-        };
-        let summary = decode::run(cfg).await?;
-        let fatal = engine.wait_fatal(Duration::ZERO);
-        engine.shutdown();
-        anyhow::Ok((summary, fatal))
+        let mut engines = Vec::new();
+        for rank in 0..prefill_tp {
+            let model = ModelArgs {
+                tp_size: prefill_tp,
+                tp_rank: rank,
+                ..m.clone()
+            };
+            let pargs = PrefillArgs {
+                model: model.clone(),
+                bootstrap_host: "127.0.0.1".into(),
+                bootstrap_port: port,
+                serve_bootstrap: false,
+                host: "127.0.0.1".into(),
+                inbox_port: 0,
+                metrics_port: None,
+                queues: args.queues,
+                bootstrap_timeout: 300.0,
+                max_batch_ops: 1024,
+                max_batch_mib: 64,
+                chunk_pages: args.chunk_pages,
+                fragmentation: args.fragmentation,
+                restart_workers: false,
+                backend: "tcp".into(),
+                connections: 2,
+                staging: args.staging.clone(),
+                staging_wait_timeout: 60.0,
+                aux_over_tcp: false,
+            };
+            let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
+            let reg = rank_registration(&model, &engine.endpoint().host, engine.endpoint().port);
+            client
+                .register_rank(&reg, &RetryPolicy::sglang())
+                .await
+                .context("registering the prefill rank")?;
+            engines.push(engine);
+        }
+        // Every decode rank draws the same rooms (same seed), as one instance's ranks would.
+        let mut runs = Vec::new();
+        for rank in 0..decode_tp {
+            let cfg = DecodeConfig {
+                tp_size: decode_tp,
+                tp_rank: rank,
+                kv_cache_dtype: m.kv_cache_dtype.clone(),
+                requests: args.rooms,
+                prompt_tokens: (args.prompt_tokens, args.prompt_tokens),
+                concurrency: args.concurrency,
+                fragmentation: args.fragmentation,
+                seed: 0xdec0de,
+                progress: rank == 0,
+                backend: args.backend,
+                staging: args.staging.staging.then_some(decode::DecodeStagingConfig {
+                    ring_bytes: args.staging_ring_mib.max(1) << 20,
+                    chunked_prefill_size: args.staging.chunked_prefill_size,
+                }),
+                ..DecodeConfig::new(
+                    "127.0.0.1",
+                    port,
+                    m.model.layout(decode_tp, rank, m.page_size, m.pool_pages),
+                )
+            };
+            runs.push(tokio::spawn(decode::run(cfg)));
+        }
+        let mut ranks = Vec::new();
+        for run in runs {
+            ranks.push(run.await??);
+        }
+        let fatal = engines.iter().find_map(|e| e.wait_fatal(Duration::ZERO));
+        for e in &engines {
+            e.shutdown();
+        }
+        anyhow::Ok((decode::Summary::merge_ranks(&ranks), fatal))
     })?;
     if let Some(path) = &args.summary_json {
         std::fs::write(path, serde_json::to_vec_pretty(&summary)?)?;
@@ -92,9 +118,12 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         println!("failed: {n} rooms: {reason}");
     }
     println!(
-        "model: {:?}, {} buffers × {} B/page, page size {}",
+        "model: {:?}, {} buffers × {} B/page, page size {}; prefill TP {prefill_tp}, decode TP {decode_tp}",
         m.model, layout.num_buffers, layout.item_len, layout.page_size
     );
+    if summary.staged_chunks > 0 {
+        println!("staging: {} chunks through the ring", summary.staged_chunks);
+    }
     println!(
         "rooms: {} × {} tokens, concurrency {}",
         summary.requests, args.prompt_tokens, args.concurrency

@@ -226,3 +226,35 @@ fn aux_rows_over_zmq_are_verified() {
     let m = six_rooms_verified(port);
     assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 12.0, "{m}");
 }
+
+#[test]
+fn demo_runs_heterogeneous_tp_through_staging() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("demo.json");
+    let out = Proc::spawn(
+        std::process::Command::new(KVX)
+            .args(["demo", "--model", "llama3-8b", "--pool-pages", "64"])
+            .args(["--tp-size", "2", "--decode-tp", "1", "--staging"])
+            .args(["--chunked-prefill-size", "64", "--staging-ring-mib", "16"])
+            .args(["--rooms", "4", "--prompt-tokens", "256"])
+            .arg("--summary-json")
+            .arg(&s),
+    )
+    .wait_output(GUARD);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("verified: 4/4 rooms"),
+        "{stdout}"
+    );
+    // 256 tokens on a 64-token grid: 4 chunks per room, all through the ring.
+    assert_eq!(summary(&s)["staged_chunks"], 16, "{stdout}");
+}
