@@ -144,6 +144,17 @@ pub enum TransportError {
     /// The transport or session was shut down.
     #[error("transport closed")]
     Closed,
+    /// The peer's port speaks another protocol than the one this backend expected (e.g. a
+    /// Mooncake handshake sent to a kvx tcp server, which closes without a reply).
+    #[error("peer {peer} does not speak {expected}: {detail}")]
+    WrongProtocol {
+        /// The peer address.
+        peer: String,
+        /// The protocol that was expected.
+        expected: &'static str,
+        /// What came back instead.
+        detail: String,
+    },
 }
 
 impl TransportError {
@@ -161,6 +172,7 @@ impl TransportError {
             TransportError::PeerLost { .. } => "peer_lost",
             TransportError::Io { .. } => "io",
             TransportError::Closed => "closed",
+            TransportError::WrongProtocol { .. } => "wrong_protocol",
         }
     }
 
@@ -174,6 +186,7 @@ impl TransportError {
                 | TransportError::Timeout { .. }
                 | TransportError::PeerLost { .. }
                 | TransportError::Closed
+                | TransportError::WrongProtocol { .. }
         )
     }
 }

@@ -6,8 +6,10 @@
 //! ([`kvx_core::TransferOp`]: local src, remote dst, len), each completing once with one result.
 //!
 //! Backends: `tcp` (the default, kvx's own framed protocol, see `docs/tcp-transport.md`),
-//! `local` (same process or same host through `/dev/shm`: memcpy into the peer's registered
-//! memory), and `verbs` (RDMA, cargo feature `verbs`).
+//! `mooncake` (Mooncake Transfer Engine's P2P handshake and TCP transport, wire compatible with
+//! the real engine, see `docs/mooncake-transport.md`), `local` (same process or same host
+//! through `/dev/shm`: memcpy into the peer's registered memory), and `verbs` (RDMA, cargo
+//! feature `verbs`).
 //!
 //! ```
 //! use kvx_rdma::{RegionDesc, RegionKey, SegmentDescriptor};
@@ -57,6 +59,7 @@
 pub mod error;
 pub mod local;
 pub mod mem;
+pub mod mooncake;
 pub mod segment;
 pub mod shm;
 pub mod tcp;
@@ -66,6 +69,7 @@ pub mod verbs;
 
 pub use error::{RejectReason, TransportError};
 pub use local::LocalTransport;
+pub use mooncake::{MooncakeConfig, MooncakeTransport};
 pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
 pub use shm::ShmRegion;
 pub use tcp::{TcpConfig, TcpTransport};

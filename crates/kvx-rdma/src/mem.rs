@@ -260,6 +260,38 @@ pub fn writev(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize) -> io::Result<us
     Ok(n as usize)
 }
 
+/// Writes every byte of `parts` to a blocking socket with [`writev`] (retrying on `EINTR`).
+/// Returns the bytes written (the sum of the parts' lengths).
+pub fn writev_all(fd: RawFd, parts: &[IoPart<'_>]) -> io::Result<u64> {
+    let (mut idx, mut off, mut total) = (0usize, 0usize, 0u64);
+    while idx < parts.len() {
+        if parts[idx].len() == off {
+            idx += 1;
+            off = 0;
+            continue;
+        }
+        let mut n = match writev(fd, &parts[idx..], off) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        total += n as u64;
+        while n > 0 && idx < parts.len() {
+            let left = parts[idx].len() - off;
+            if n >= left {
+                n -= left;
+                idx += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(total)
+}
+
 /// Where received payload bytes go: registered memory, or (for a rejected write) nowhere.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecvTarget {
