@@ -10,6 +10,7 @@ use crate::run;
 
 /// Debian packages the build and tests need (cmake and clang build the verbs bindings).
 /// iproute2 and nftables build the network-namespace hosts of `cargo xtask integration`.
+/// libibverbs1: the Mooncake Transfer Engine wheel's `engine.so` links it even for TCP.
 const APT_PACKAGES: &[&str] = &[
     "cmake",
     "clang",
@@ -17,10 +18,47 @@ const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "nftables",
     "python3-venv",
+    "libibverbs1",
 ];
 
-/// Python packages for the interop peers.
-const PY_PACKAGES: &[&str] = &["pyzmq", "requests"];
+/// Python packages for the interop peers, installed with their dependencies: kvx's own peers
+/// (pyzmq, requests), the real Mooncake Transfer Engine, and the pure-Python packages sglang
+/// 0.5.23's disaggregation import chain (`sglang.srt.disaggregation.mooncake.conn`) needs once
+/// torch, triton and the GPU stack are stubbed (`crates/kvx-cli/tests/py/stubs`). Versions are
+/// the ones verified together (a cold install of this list reproduces the verified venv).
+const PY_PACKAGES: &[&str] = &[
+    "pyzmq==27.3.0",
+    "requests==2.34.2",
+    "numpy==2.4.6",
+    "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    // sglang 0.5.23's import chain
+    "aiohttp==3.14.5",
+    "orjson==3.13.0",
+    "psutil==7.2.2",
+    "pybase64==1.5.1",
+    "packaging==26.4",
+    "pillow==13.0.0",
+    "starlette==1.10.0",
+    "msgspec==0.23.0",
+    "pydantic==2.14.4",
+    "tqdm==4.70.1",
+    "ipython==9.18.1",
+    "prometheus_client==0.26.0",
+    "transformers==5.19.0",
+    "dill==0.4.1",
+    "sentencepiece==0.2.1",
+    "gguf==0.19.0",
+];
+
+/// Installed with `--no-deps`: its declared dependencies are the whole GPU serving stack.
+const PY_NO_DEPS: &[&str] = &["sglang==0.5.23"];
+
+/// One import of everything the Python peers use (with sglang's GPU modules stubbed);
+/// when it succeeds, pip is not run.
+const PY_CHECK: &str = "import sys; sys.path.insert(0, sys.argv[1]); \
+import kvx_stubs; kvx_stubs.install(); \
+import zmq, requests, numpy, mooncake.engine; \
+import sglang.srt.disaggregation.mooncake.conn";
 
 /// Installs everything missing.
 pub fn ensure_all(root: &Path) -> Result<()> {
@@ -80,13 +118,31 @@ fn ensure_venv(root: &Path) -> Result<()> {
         let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
         run(Command::new(python).arg("-m").arg("venv").arg(&venv))?;
     }
-    let check = Command::new(&py)
-        .args(["-c", "import zmq, requests"])
-        .output()?;
-    if !check.status.success() {
+    let stubs = root.join("crates/kvx-cli/tests/py/stubs");
+    let check = || {
+        Command::new(&py)
+            .args(["-W", "ignore", "-c", PY_CHECK])
+            .arg(&stubs)
+            .output()
+    };
+    if check()?.status.success() {
+        return Ok(());
+    }
+    let pip = |args: &[&str], packages: &[&str]| {
         run(Command::new(&py)
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-            .args(PY_PACKAGES))?;
+            .args(args)
+            .args(packages))
+    };
+    pip(&[], PY_PACKAGES)?;
+    pip(&["--no-deps"], PY_NO_DEPS)?;
+    let out = check()?;
+    if !out.status.success() {
+        bail!(
+            "the venv at {} still cannot import the interop peers' packages:\n{}",
+            venv.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(())
 }
