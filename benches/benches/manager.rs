@@ -40,6 +40,7 @@ fn registration() -> DecodeRegistration {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     }
 }
 

@@ -35,6 +35,9 @@
 //!     page_size: Some(16), kv_cache_dtype: Some("auto".into()),
 //!     load_balance_method: None, enable_dsa_cache_layer_split: None,
 //!     prefill_http_port: Some(30000),
+//!     // sglang 0.5.23's keys (a sglang main prefill sends none of them):
+//!     kv_layout: None, dsv41_spec_layout: None,
+//!     enable_kv_cache_sharding: None, decode_allocation_policy: None,
 //! };
 //! client.register_rank(&rank, &RetryPolicy::sglang()).await?;
 //!

@@ -76,6 +76,7 @@ fn registration_value() -> DecodeRegistration {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     }
 }
 
@@ -102,6 +103,43 @@ fn registration_example_l_form_with_frame_18() {
     let reg = parse_registration(&f).unwrap();
     assert_eq!(reg.staging_slot_layer_ids, Some(vec![3, 7]));
     assert_eq!(encode_registration(&reg).unwrap(), f);
+}
+
+/// sglang 0.5.23's `build_receiver_registration_message`: 20 frames, frame 18 the (empty)
+/// staging slot ids, frame 19 `struct.pack("2Q", 2048, 2048)`, one item length per KV buffer.
+#[test]
+fn registration_example_0523_form_with_frames_18_and_19() {
+    let mut f = registration_frames();
+    f.push(Vec::new());
+    f.push(vec![
+        0x00, 0x08, 0, 0, 0, 0, 0, 0, //
+        0x00, 0x08, 0, 0, 0, 0, 0, 0,
+    ]);
+    let reg = parse_registration(&f).unwrap();
+    let want = DecodeRegistration {
+        staging_slot_layer_ids: Some(vec![]),
+        kv_item_lens: Some(vec![2048, 2048]),
+        ..registration_value()
+    };
+    assert_eq!(reg, want);
+    assert!(reg.accepts_status_reason());
+    assert!(!registration_value().accepts_status_reason());
+    assert_eq!(encode_registration(&reg).unwrap(), f);
+    // A pool without full-token KV sends `struct.pack("0Q")`: an empty frame 19.
+    f[19].clear();
+    let reg = parse_registration(&f).unwrap();
+    assert_eq!(reg.kv_item_lens, Some(vec![]));
+    assert!(reg.accepts_status_reason());
+    assert_eq!(encode_registration(&reg).unwrap(), f);
+    // Item lengths without slot ids still put frame 18 (empty) on the wire.
+    let only_lens = DecodeRegistration {
+        kv_item_lens: Some(vec![7]),
+        ..registration_value()
+    };
+    let g = encode_registration(&only_lens).unwrap();
+    assert_eq!(g.len(), 20);
+    assert!(g[18].is_empty());
+    assert_eq!(g[19], 7u64.to_le_bytes());
 }
 
 #[test]
@@ -268,6 +306,32 @@ fn status_example() {
     assert_eq!(s.reason.as_deref(), Some("transfer failed: peer gone"));
     assert_eq!(s.encode(), frames(&[ROOM, b"0", b"3"]));
     assert!(matches!(DecodeInbound::parse(&g).unwrap(), DecodeInbound::Status(x) if x == s));
+    // ... and emitted on request, for a decode known to take it (sglang 0.5.23 parses
+    // `msg[3].decode("utf-8")` as the failure reason).
+    assert_eq!(s.encode_with_reason(), g);
+    // An empty 4th frame is no reason (0.5.23: `if len(msg) > 3 and msg[3]`).
+    let e = frames(&[ROOM, b"0", b"3", b""]);
+    assert_eq!(TransferStatus::parse(&e).unwrap().reason, None);
+    assert_eq!(
+        TransferStatus::parse(&e).unwrap().encode_with_reason(),
+        frames(&[ROOM, b"0", b"3"])
+    );
+    // Success has no reason: 3 frames even in the 4-frame-capable form, as sglang sends it.
+    assert_eq!(
+        TransferStatus::parse(&f).unwrap().encode_with_reason(),
+        f
+    );
+    // A reason past the codec's limit is cut at a character boundary, so it parses back.
+    let long = TransferStatus {
+        reason: Some("é".repeat(40_000)),
+        ..s.clone()
+    };
+    let enc = long.encode_with_reason();
+    assert_eq!(enc[3].len(), kvx_bootstrap::codec::MAX_REASON_LEN);
+    assert_eq!(
+        TransferStatus::parse(&enc).unwrap().reason.unwrap().chars().count(),
+        kvx_bootstrap::codec::MAX_REASON_LEN / 2
+    );
     // The pre-2025-06 two-frame form is refused.
     assert_eq!(
         TransferStatus::parse(&frames(&[ROOM, b"4"]))
@@ -310,7 +374,8 @@ fn abort_and_ack_examples() {
         a,
         Abort {
             room: room(),
-            endpoint: Endpoint::new("10.0.0.2", 41235)
+            endpoint: Endpoint::new("10.0.0.2", 41235),
+            generation: None,
         }
     );
     assert_eq!(a.encode(), f);
@@ -323,11 +388,55 @@ fn abort_and_ack_examples() {
     let deferred = frames(&[b"ABORT_ACK", ROOM, b"5"]);
     let ack = AbortAck::parse(&deferred).unwrap();
     assert_eq!(ack.prefill_rank, Some(5));
+    assert_eq!(ack.generation, None);
     assert_eq!(ack.encode(), deferred);
     assert!(matches!(
         DecodeInbound::parse(&deferred).unwrap(),
         DecodeInbound::AbortAck(x) if x == ack
     ));
+}
+
+/// sglang 0.5.23's `AbortNotification.to_zmq` with deferred KV release on (its default): the
+/// generation after the K fields; and `AbortAck.to_zmq`: `[ABORT_ACK, room, rank, generation]`.
+#[test]
+fn abort_and_ack_0523_examples() {
+    let f = frames(&[b"ABORT", ROOM, b"10.0.0.2", b"41235", b"17"]);
+    let a = Abort::parse(&f).unwrap();
+    assert_eq!(
+        a,
+        Abort {
+            room: room(),
+            endpoint: Endpoint::new("10.0.0.2", 41235),
+            generation: Some(17),
+        }
+    );
+    assert_eq!(a.encode(), f);
+    assert!(matches!(PrefillInbound::parse(&f).unwrap(), PrefillInbound::Abort(x) if x == a));
+    // IPv6 decode host, unbracketed as sglang sends it.
+    let v6 = frames(&[b"ABORT", ROOM, b"fe80::1", b"41235", b"1"]);
+    let a6 = Abort::parse(&v6).unwrap();
+    assert_eq!(a6.endpoint.zmq_addr(), "tcp://[fe80::1]:41235");
+    assert_eq!(a6.encode(), v6);
+
+    let g = frames(&[b"ABORT_ACK", ROOM, b"5", b"17"]);
+    let ack = AbortAck::parse(&g).unwrap();
+    assert_eq!(
+        ack,
+        AbortAck {
+            room: room(),
+            prefill_rank: Some(5),
+            generation: Some(17),
+        }
+    );
+    assert_eq!(ack.encode(), g);
+    assert!(matches!(
+        DecodeInbound::parse(&g).unwrap(),
+        DecodeInbound::AbortAck(x) if x == ack
+    ));
+    // The largest generation a u64 holds.
+    let max = frames(&[b"ABORT_ACK", ROOM, b"0", b"18446744073709551615"]);
+    assert_eq!(AbortAck::parse(&max).unwrap().generation, Some(u64::MAX));
+    assert_eq!(AbortAck::parse(&max).unwrap().encode(), max);
 }
 
 #[test]

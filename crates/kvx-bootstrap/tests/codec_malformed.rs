@@ -204,10 +204,59 @@ fn small_message_errors() {
         kind(Abort::parse(&f(&[b"ABORT", b"0", b"h", b"1"]))),
         "bad_room"
     );
+    // sglang 0.5.23's 5th ABORT frame and 4th ABORT_ACK frame are ASCII u64 generations.
+    assert_eq!(
+        kind(Abort::parse(&f(&[b"ABORT", ROOM, b"h", b"1", b"g"]))),
+        "bad_int"
+    );
+    assert_eq!(
+        kind(Abort::parse(&f(&[b"ABORT", ROOM, b"h", b"1", b""]))),
+        "bad_int"
+    );
+    assert_eq!(
+        kind(Abort::parse(&f(&[b"ABORT", ROOM, b"h", b"1", b"-3"]))),
+        "int_range"
+    );
+    assert_eq!(
+        kind(Abort::parse(&f(&[
+            b"ABORT",
+            ROOM,
+            b"h",
+            b"1",
+            b"18446744073709551616"
+        ]))),
+        "int_range"
+    );
+    assert_eq!(
+        kind(Abort::parse(&f(&[b"ABORT", ROOM, b"h", b"1", b"2", b"3"]))),
+        "frame_count"
+    );
     assert_eq!(kind(AbortAck::parse(&f(&[b"ABORT_ACK"]))), "frame_count");
     assert_eq!(
         kind(AbortAck::parse(&f(&[b"ABORT_ACK", ROOM, b"x"]))),
         "bad_int"
+    );
+    assert_eq!(
+        kind(AbortAck::parse(&f(&[b"ABORT_ACK", ROOM, b"0", b"x"]))),
+        "bad_int"
+    );
+    assert_eq!(
+        kind(AbortAck::parse(&f(&[b"ABORT_ACK", ROOM, b"", b"1"]))),
+        "bad_int"
+    );
+    assert_eq!(
+        kind(AbortAck::parse(&f(&[b"ABORT_ACK", ROOM, b"0", b"1", b"2"]))),
+        "frame_count"
+    );
+    // sglang 0.5.23's registration frame 19 is u64 LE item lengths.
+    let mut r20 = reg();
+    r20.push(Vec::new());
+    r20.push(vec![1, 2, 3]);
+    assert_eq!(kind(parse_registration(&r20)), "truncated_array");
+    r20[19] = 2048u64.to_le_bytes().to_vec();
+    assert_eq!(
+        parse_registration(&r20).unwrap().kv_item_lens,
+        Some(vec![2048])
     );
     let aux = |len: &[u8], payload: &[u8]| {
         AuxData::parse(&f(&[b"AUX_DATA", ROOM, b"0", b"1", len, payload])).map(|a| a.payload.len())

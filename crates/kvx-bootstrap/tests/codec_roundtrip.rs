@@ -18,7 +18,12 @@ proptest! {
     #[test]
     fn registration_round_trip(reg in registration()) {
         let frames = encode_registration(&reg).unwrap();
-        prop_assert_eq!(frames.len(), if reg.staging_slot_layer_ids.is_some() { 19 } else { 18 });
+        let want = match (&reg.staging_slot_layer_ids, &reg.kv_item_lens) {
+            (_, Some(_)) => 20,
+            (Some(_), None) => 19,
+            (None, None) => 18,
+        };
+        prop_assert_eq!(frames.len(), want);
         prop_assert_eq!(&frames[0], b"None");
         prop_assert_eq!(parse_registration(&frames).unwrap(), reg.clone());
         match PrefillInbound::parse(&frames).unwrap() {
@@ -67,12 +72,27 @@ proptest! {
     }
 
     #[test]
+    fn status_with_reason_round_trip(s in status_with_reason()) {
+        let frames = s.encode_with_reason();
+        prop_assert_eq!(frames.len(), if s.reason.is_some() { 4 } else { 3 });
+        prop_assert_eq!(&frames[..3], &s.encode()[..]);
+        prop_assert_eq!(TransferStatus::parse(&frames).unwrap(), s.clone());
+        prop_assert_eq!(DecodeInbound::parse(&frames).unwrap(), DecodeInbound::Status(s));
+    }
+
+    #[test]
     fn abort_round_trip(a in abort(), ack in abort_ack()) {
         let frames = a.encode();
+        prop_assert_eq!(frames.len(), if a.generation.is_some() { 5 } else { 4 });
         prop_assert_eq!(Abort::parse(&frames).unwrap(), a.clone());
         prop_assert_eq!(PrefillInbound::parse(&frames).unwrap(), PrefillInbound::Abort(a));
         let frames = ack.encode();
-        prop_assert_eq!(frames.len(), if ack.prefill_rank.is_some() { 3 } else { 2 });
+        let want = match (ack.prefill_rank, ack.generation) {
+            (None, _) => 2,
+            (Some(_), None) => 3,
+            (Some(_), Some(_)) => 4,
+        };
+        prop_assert_eq!(frames.len(), want);
         prop_assert_eq!(AbortAck::parse(&frames).unwrap(), ack.clone());
         prop_assert_eq!(DecodeInbound::parse(&frames).unwrap(), DecodeInbound::AbortAck(ack));
     }

@@ -101,7 +101,9 @@ proptest! {
                 rank_ip: format!("10.0.0.{i}"), rank_port: *port,
                 page_size: Some(*page), kv_cache_dtype: None, load_balance_method: None,
                 enable_dsa_cache_layer_split: None, prefill_http_port: None,
-            });
+                kv_layout: None, dsv41_spec_layout: None, enable_kv_cache_sharding: None,
+                decode_allocation_policy: None,
+            }).unwrap();
         }
         prop_assert_eq!(r.registered(), regs.len() as u64);
         let first_tp = regs[0].0;

@@ -220,6 +220,130 @@ async fn routes_answer_like_sglang() {
     assert!(client.health().await.is_err());
 }
 
+/// A `PUT /route` body as sglang 0.5.23's `register_to_bootstrap` sends it (`requests`' JSON:
+/// every key, the layouts `null` unless set).
+fn put_0523(tp_rank: u32, port: u16, policy: &str, dsv41: &str, kv_layout: &str) -> String {
+    format!(
+        r#"{{"attn_tp_size": 2, "attn_tp_rank": {tp_rank}, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": {port}, "page_size": 16, "kv_cache_dtype": "auto", "kv_layout": {kv_layout}, "dsv41_spec_layout": {dsv41}, "load_balance_method": "follow_bootstrap_room", "enable_dsa_cache_layer_split": false, "enable_kv_cache_sharding": false, "prefill_http_port": 30000, "decode_allocation_policy": "{policy}"}}"#
+    )
+}
+
+const SENTINEL_Q: &str =
+    "route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+
+/// sglang 0.5.23 prefills: their extra keys are kept, checked across ranks (400 with 0.5.23's
+/// texts, nothing kept) and served in the sentinel in 0.5.23's order; kvx's client reads it.
+#[tokio::test]
+async fn sglang_0523_registrations_are_kept_checked_and_served() {
+    let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let put = |body: String| {
+        let url = format!("{base}/route");
+        async move { call(reqwest::Method::PUT, url, Some(&body)).await }
+    };
+    assert_eq!(put(put_0523(0, 5000, "early", "null", "null")).await.2, "OK");
+    let layout = r#"{"num_draft_tokens": 4, "compression_ratios": [2, 4]}"#;
+    let text = "text/plain; charset=utf-8".to_string();
+    assert_eq!(
+        put(put_0523(1, 5001, "early", layout, "null")).await,
+        (
+            400,
+            text.clone(),
+            "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks".into()
+        )
+    );
+    assert_eq!(
+        put(put_0523(1, 5001, "prefill_complete", "null", "null")).await,
+        (
+            400,
+            text.clone(),
+            "Inconsistent prefill allocation policies".into()
+        )
+    );
+    assert_eq!(server.state().lock().registered(), 1);
+    // Not ready yet: the refused ranks were not counted.
+    let sentinel = format!("{base}/{SENTINEL_Q}");
+    assert_eq!(call(reqwest::Method::GET, sentinel.clone(), None).await.0, 503);
+    assert_eq!(put(put_0523(1, 5001, "early", "null", "null")).await.2, "OK");
+    let (s, ct, body) = call(reqwest::Method::GET, sentinel, None).await;
+    assert_eq!((s, ct.as_str()), (200, "application/json; charset=utf-8"));
+    // json.dumps(asdict(PrefillServerInfo)) with the null layouts popped: 17 keys.
+    assert_eq!(
+        body,
+        r#"{"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": true, "enable_dsa_cache_layer_split": false, "decode_allocation_policy": "early", "enable_kv_cache_sharding": false, "prefill_http_port": 30000, "target_tp_rank": null, "target_tp_ranks": null, "target_cp_ranks": null, "target_pp_ranks": null, "required_dst_info_num": null, "required_prefill_response_num": null}"#
+    );
+    let client = BootstrapClient::with_base_url(&base).unwrap();
+    let info = client.prefill_info().await.unwrap();
+    assert!(info.has_0523_keys());
+    assert_eq!(info.allocation_policy(), "early");
+    assert!(!info.kv_cache_sharding());
+    server.shutdown().await.unwrap();
+
+    // An instance with a DSpark layout and a KV layout: all 19 keys, the dict as registered.
+    let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr());
+    for (rank, port) in [(0, 5000), (1, 5001)] {
+        let body = put_0523(rank, port, "early", layout, r#""c4_c128""#);
+        let (s, _, _) = call(reqwest::Method::PUT, format!("{base}/route"), Some(&body)).await;
+        assert_eq!(s, 200);
+    }
+    let (_, _, body) = call(reqwest::Method::GET, format!("{base}/{SENTINEL_Q}"), None).await;
+    assert_eq!(
+        body,
+        r#"{"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": true, "enable_dsa_cache_layer_split": false, "dsv41_spec_layout": {"num_draft_tokens": 4, "compression_ratios": [2, 4]}, "kv_layout": "c4_c128", "decode_allocation_policy": "early", "enable_kv_cache_sharding": false, "prefill_http_port": 30000, "target_tp_rank": null, "target_tp_ranks": null, "target_cp_ranks": null, "target_pp_ranks": null, "required_dst_info_num": null, "required_prefill_response_num": null}"#
+    );
+    let info = BootstrapClient::with_base_url(&base)
+        .unwrap()
+        .prefill_info()
+        .await
+        .unwrap();
+    assert_eq!(info.kv_layout.as_deref(), Some("c4_c128"));
+    assert!(info.dsv41_spec_layout.is_some());
+    // A sglang main body after them: no layout, so refused.
+    let (s, _, body) = call(
+        reqwest::Method::PUT,
+        format!("{base}/route"),
+        Some(&serde_json::to_string(&reg(2, 1, 5002)).unwrap()),
+    )
+    .await;
+    assert_eq!(
+        (s, body.as_str()),
+        (
+            400,
+            "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"
+        )
+    );
+    server.shutdown().await.unwrap();
+}
+
+/// The decode side of row 1: kvx's client reads sglang 0.5.23's sentinel (as sglang's decode
+/// dataclass does, 19 fields) and still refuses a key neither release sends.
+#[test]
+fn sentinel_parsing_knows_0523_keys_only() {
+    use kvx_bootstrap::http::PrefillServerInfo;
+    let k = r#"{"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": true, "enable_dsa_cache_layer_split": false, "prefill_http_port": null, "target_tp_rank": null, "target_tp_ranks": null, "target_cp_ranks": null, "target_pp_ranks": null, "required_dst_info_num": null, "required_prefill_response_num": null}"#;
+    let info: PrefillServerInfo = serde_json::from_str(k).unwrap();
+    assert!(!info.has_0523_keys());
+    let v0523 = k.replace(
+        r#""prefill_http_port": null"#,
+        r#""decode_allocation_policy": "early", "enable_kv_cache_sharding": true, "prefill_http_port": 30000"#,
+    );
+    let info: PrefillServerInfo = serde_json::from_str(&v0523).unwrap();
+    assert!(info.has_0523_keys() && info.kv_cache_sharding());
+    assert_eq!(info.prefill_http_port, Some(30000));
+    let unknown = k.replace(r#""prefill_http_port": null"#, r#""surprise": 1"#);
+    let err = serde_json::from_str::<PrefillServerInfo>(&unknown).unwrap_err();
+    assert!(err.to_string().contains("unknown field `surprise`"), "{err}");
+    // Serialized back, a K-form answer keeps its 15 keys.
+    let k_info: PrefillServerInfo = serde_json::from_str(k).unwrap();
+    let v: serde_json::Value = serde_json::to_value(&k_info).unwrap();
+    assert_eq!(v.as_object().unwrap().len(), 15);
+}
+
 #[tokio::test]
 async fn sizes_whose_product_overflows_are_served_not_ready() {
     let server = BootstrapServer::bind("127.0.0.1:0", ServerConfig::default())

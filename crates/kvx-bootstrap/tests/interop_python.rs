@@ -51,6 +51,7 @@ fn registration(endpoint: Endpoint, session: &str) -> DecodeRegistration {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     }
 }
 
@@ -192,6 +193,7 @@ async fn decode_peer_against_kvx_prefill(host: &str) {
     let want = Abort {
         room: room(DUMMY_ROOM),
         endpoint: decode_ep.clone(),
+        generation: None,
     };
     assert_eq!(Abort::parse(&frames).unwrap(), want);
     assert_eq!(want.encode(), frames);
@@ -210,6 +212,7 @@ async fn decode_peer_against_kvx_prefill(host: &str) {
     let ack = AbortAck {
         room: room(DUMMY_ROOM),
         prefill_rank: None,
+        generation: None,
     }
     .encode();
     let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 16);
@@ -274,6 +277,7 @@ async fn python_prefill_against_kvx_decode() {
     let abort = Abort {
         room: room(DUMMY_ROOM),
         endpoint: me.clone(),
+        generation: None,
     }
     .encode();
     let mut push = PushCache::new(&ctx, PushOptions::toward_prefill(), 16);
@@ -367,7 +371,8 @@ async fn python_prefill_against_kvx_decode() {
         ack,
         AbortAck {
             room: room(DUMMY_ROOM),
-            prefill_rank: Some(0)
+            prefill_rank: Some(0),
+            generation: None,
         }
     );
     assert_eq!(ack.encode(), got[2]);

@@ -64,6 +64,7 @@ fn prefill_inbox_drops_malformed_and_lives_on() {
     let abort = Abort {
         room: room(1234567890123456789),
         endpoint: Endpoint::new("10.0.0.2", 41235),
+        generation: None,
     };
     push.send(&ep, &abort.encode()).unwrap();
     let got = recv(&mut inbox);

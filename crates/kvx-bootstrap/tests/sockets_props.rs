@@ -76,6 +76,7 @@ proptest! {
         let valid = Abort {
             room: Room::new(42).unwrap(),
             endpoint: Endpoint::new("10.0.0.9", 7),
+            generation: None,
         }
         .encode();
         drive(InboxKind::Prefill, &junk, valid);

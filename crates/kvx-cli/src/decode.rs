@@ -146,6 +146,9 @@ struct Target {
     dummy: bool,
 }
 
+/// An `ABORT` to send: the room, the prefill rank's inbox, the abort's generation.
+type Abort = (Room, Endpoint, Option<u64>);
+
 struct Peer {
     cfg: DecodeConfig,
     me: Endpoint,
@@ -196,9 +199,9 @@ impl Peer {
 
     /// Feeds one event to the room manager, tells the tasks of concluded rooms their outcome
     /// (`reason`, when given, replaces the manager's failure reason) and returns the `ABORT`s
-    /// to send.
+    /// to send (room, prefill inbox, generation).
     #[must_use]
-    fn handle(&self, event: DecodeEvent, reason: Option<&str>) -> Vec<(Room, Endpoint)> {
+    fn handle(&self, event: DecodeEvent, reason: Option<&str>) -> Vec<Abort> {
         let mut out = Vec::new();
         let r = lock(&self.rooms).handle(Instant::now(), event, &mut out);
         if let Err(e) = r {
@@ -209,19 +212,27 @@ impl Peer {
         {
             let mut waits = lock(&self.aborts);
             for a in &out {
-                if let DecodeAction::SendAbort { room, endpoint } = a {
+                if let DecodeAction::SendAbort {
+                    room,
+                    endpoint,
+                    generation,
+                } = a
+                {
                     waits
                         .entry(*room)
                         .or_default()
-                        .sent_to
-                        .insert(endpoint.clone());
+                        .sent(endpoint.clone(), *generation);
                 }
             }
         }
         let mut aborts = Vec::new();
         for a in out {
             match a {
-                DecodeAction::SendAbort { room, endpoint } => aborts.push((room, endpoint)),
+                DecodeAction::SendAbort {
+                    room,
+                    endpoint,
+                    generation,
+                } => aborts.push((room, endpoint, generation)),
                 DecodeAction::Concluded {
                     room,
                     status: KVPoll::Success,
@@ -244,11 +255,13 @@ impl Peer {
         aborts
     }
 
-    /// Sends `[ABORT, room, ip, port]` to each prefill inbox (failures are logged and counted
-    /// by the outbox).
-    async fn send_aborts(&self, aborts: Vec<(Room, Endpoint)>) {
-        for (room, ep) in aborts {
-            let _ = self.send(&ep, wire::encode_abort(room, &self.me)).await;
+    /// Sends `[ABORT, room, ip, port]` (with the generation as a 5th frame towards a sglang
+    /// 0.5.23 prefill) to each prefill inbox (failures are logged and counted by the outbox).
+    async fn send_aborts(&self, aborts: Vec<Abort>) {
+        for (room, ep, generation) in aborts {
+            let _ = self
+                .send(&ep, wire::encode_abort(room, &self.me, generation))
+                .await;
         }
     }
 
@@ -269,14 +282,21 @@ impl Peer {
                 let aborts = self.handle(event, None);
                 self.send_aborts(aborts).await;
             }
-            Ok(DecodeInbound::AbortAck { room, rank }) => {
-                tracing::debug!(%room, ?rank, "abort acknowledged");
-                // Only the ranked (deferred-release) form promises that the rank's writes
-                // drained; a legacy ACK leaves the room to its release timeout.
-                if let Some(rank) = rank
-                    && let Some(w) = lock(&self.aborts).get_mut(&room)
-                {
-                    w.acked.insert(rank);
+            Ok(DecodeInbound::AbortAck {
+                room,
+                rank,
+                generation,
+            }) => {
+                tracing::debug!(%room, ?rank, ?generation, "abort acknowledged");
+                // Only the ranked (deferred-release) forms promise that the rank's writes
+                // drained, and one naming a generation only for the room's current abort; other
+                // ACKs leave the room to its release timeout.
+                let counted = lock(&self.aborts)
+                    .get_mut(&room)
+                    .is_some_and(|w| w.on_ack(rank, generation));
+                if !counted {
+                    metrics::counter!("kvx_decode_ignored_messages_total", "kind" => "abort_ack")
+                        .increment(1);
                 }
                 self.acked.notify_waiters();
             }
@@ -392,7 +412,11 @@ impl Peer {
                 .unwrap_or_default(),
             dcp_size: 1,
             dcp_rank: 0,
-            staging_slot_layer_ids: None,
+            // sglang 0.5.23's frames 18 and 19 (no staging slots; every KV buffer's item length):
+            // they tell a kvx prefill that this decode takes a failure reason as a 4th status
+            // frame. sglang main's prefill reads frames by index and ignores them.
+            staging_slot_layer_ids: Some(Vec::new()),
+            kv_item_lens: Some(vec![l.item_len; l.num_buffers]),
         }
     }
 
@@ -444,6 +468,9 @@ struct Topology {
     dst_tp_rank: u32,
     /// The two TP sizes when rooms take the staging path (staging on, TP differs, not MLA).
     staged: Option<kvx_staging::TpGeometry>,
+    /// The prefill is sglang 0.5.23's (its sentinel carries that release's keys): `ABORT`s
+    /// carry a generation, without which it would never acknowledge them.
+    generational_aborts: bool,
 }
 
 async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> Result<Topology> {
@@ -488,10 +515,19 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
             cfg.kv_cache_dtype
         );
     }
+    check_0523_keys(&info, cfg.layout.mla, cfg.tp_size.max(1))?;
     let pt = info.attn_tp_size.max(1);
     let dt = cfg.tp_size.max(1);
     let r = cfg.tp_rank % dt;
-    let (ranks, required_dst_info_num, responses): (Vec<(u32, bool)>, u32, usize) = if pt == dt {
+    let (ranks, required_dst_info_num, responses): (Vec<(u32, bool)>, u32, usize) = if cfg
+        .layout
+        .mla
+        && info.kv_cache_sharding()
+    {
+        // sglang 0.5.23's MLA KV sharding: every prefill rank holds some of the pages, so each
+        // decode rank hears from all of them (equal TP only, checked above).
+        ((0..pt).map(|t| (t, false)).collect(), dt, pt as usize)
+    } else if pt == dt {
         (vec![(r, false)], 1, 1)
     } else if dt > pt {
         (vec![(r / (dt / pt), false)], dt / pt, 1)
@@ -529,7 +565,42 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
         responses,
         dst_tp_rank: r,
         staged,
+        generational_aborts: info.has_0523_keys(),
     })
+}
+
+/// The checks sglang 0.5.23's decode makes on that release's sentinel keys, for a kvx decode
+/// (no DSpark layout, no `kv_layout` of its own, the `early` allocation policy): a DSpark layout
+/// differs from none, another allocation policy fails every request, and KV sharding is served
+/// only as 0.5.23 maps it for MLA (equal TP, prefill CP 1).
+fn check_0523_keys(
+    info: &kvx_bootstrap::http::PrefillServerInfo,
+    mla: bool,
+    decode_tp: u32,
+) -> Result<()> {
+    if info.dsv41_spec_layout.is_some() {
+        bail!(
+            "DeepSeek-V4.1 DSpark PD layout mismatch: the prefill registered one, this decode has none"
+        );
+    }
+    let policy = info.allocation_policy();
+    if policy != "early" {
+        bail!(
+            "Disaggregation decode allocation policy mismatch: prefill={policy}, decode=early"
+        );
+    }
+    if info.kv_cache_sharding() {
+        if info.attn_cp_size > 1 {
+            bail!("a prefill with KV cache sharding and CP > 1 is not supported by kvx decode");
+        }
+        if mla && info.attn_tp_size.max(1) != decode_tp {
+            bail!(
+                "MLA KV cache sharding requires equal prefill/decode attn TP sizes, got prefill={} decode={decode_tp}",
+                info.attn_tp_size
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Runs the decode peer to completion and returns its summary.
@@ -792,6 +863,7 @@ async fn one_request(
         room,
         required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
         prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
+        generational_aborts: topo.generational_aborts,
     };
     let aborts = [peer.handle(created, None), peer.handle(init, None)].concat();
     peer.send_aborts(aborts).await;

@@ -335,21 +335,21 @@ impl Shared {
     /// are told (status 0) as sglang tells them when a room fails on a dead session, the dead one
     /// included (its inbox may outlive its data plane).
     pub(crate) fn fail_session_rooms(&self, session: &SessionId, reason: &str) {
-        let affected: Vec<(Room, Vec<Endpoint>)> = lock(&self.rooms)
+        let affected: Vec<(Room, Vec<(SessionId, Endpoint)>)> = lock(&self.rooms)
             .sessions
             .iter()
             .filter(|(_, ss)| ss.iter().any(|(s, _, real)| *real && s == session))
             .map(|(room, ss)| {
-                let endpoints = ss
+                let targets = ss
                     .iter()
                     .filter(|(_, _, real)| *real)
-                    .map(|(_, e, _)| e.clone())
+                    .map(|(s, e, _)| (s.clone(), e.clone()))
                     .collect();
-                (*room, endpoints)
+                (*room, targets)
             })
             .collect();
-        for (room, endpoints) in affected {
-            if self.fail_room_with(room, endpoints) {
+        for (room, targets) in affected {
+            if self.fail_room_with(room, targets, reason) {
                 metrics::counter!("kvx_rooms_failed_with_session_total").increment(1);
                 tracing::warn!(%room, %session, reason, "room failed: its decode session is dead");
             }
@@ -359,32 +359,36 @@ impl Shared {
     /// Fails an open room from this side and tells every decode that receives its KV
     /// (status 0). False when the room was not open.
     pub(crate) fn fail_room(&self, room: Room, reason: &str) -> bool {
-        let endpoints = lock(&self.rooms)
+        let targets = lock(&self.rooms)
             .sessions
             .get(&room)
             .map(|ss| {
                 ss.iter()
                     .filter(|(_, _, real)| *real)
-                    .map(|(_, e, _)| e.clone())
+                    .map(|(s, e, _)| (s.clone(), e.clone()))
                     .collect()
             })
             .unwrap_or_default();
-        let failed = self.fail_room_with(room, endpoints);
+        let failed = self.fail_room_with(room, targets, reason);
         if failed {
             tracing::warn!(%room, reason, "room failed");
         }
         failed
     }
 
-    fn fail_room_with(&self, room: Room, endpoints: Vec<Endpoint>) -> bool {
+    /// Fails an open room and sends status 0 to each target; `reason` goes as a 4th frame to
+    /// the sessions known to take one (sglang 0.5.23), never to the others.
+    fn fail_room_with(&self, room: Room, targets: Vec<(SessionId, Endpoint)>, reason: &str) -> bool {
         let live = lock(&self.table)
             .poll(room)
             .is_some_and(|p| !p.is_terminal());
         if !live || self.handle(PrefillEvent::LocalAbort { room }).is_err() {
             return false;
         }
-        for endpoint in endpoints {
-            self.send_status(room, endpoint, KVPoll::Failed);
+        for (session, endpoint) in targets {
+            let with_reason = lock(&self.table).accepts_status_reason(&session);
+            let reason = with_reason.then_some(reason);
+            self.send_status_with(room, endpoint, KVPoll::Failed, reason);
         }
         true
     }
@@ -401,9 +405,24 @@ impl Shared {
 
     /// Queues a 3-frame status message for the notifier.
     pub(crate) fn send_status(&self, room: Room, endpoint: Endpoint, status: KVPoll) {
+        self.send_status_with(room, endpoint, status, None);
+    }
+
+    /// Queues a status message for the notifier: 3 frames, or 4 with `reason` (only for a
+    /// decode known to take a reason frame; see `PrefillAction::SendStatus::with_reason`).
+    pub(crate) fn send_status_with(
+        &self,
+        room: Room,
+        endpoint: Endpoint,
+        status: KVPoll,
+        reason: Option<&str>,
+    ) {
         metrics::counter!("kvx_status_sent_total", "status" => status.to_string()).increment(1);
+        if reason.is_some() {
+            metrics::counter!("kvx_status_reason_frames_total").increment(1);
+        }
         let rank = lock(&self.table).prefill_unique_rank();
-        let f = wire::encode_status(room, status, rank);
+        let f = wire::encode_status_with_reason(room, status, rank, reason);
         let _ = lock(&self.notices).send(Notice::Send(endpoint, f));
     }
 
@@ -483,14 +502,24 @@ impl Shared {
                     room,
                     endpoint,
                     status,
+                    reason,
+                    with_reason,
                     ..
-                } => self.send_status(room, endpoint, status),
+                } => {
+                    let reason = reason.as_deref().filter(|_| with_reason);
+                    self.send_status_with(room, endpoint, status, reason);
+                }
                 PrefillAction::AbortAck {
                     endpoint,
                     room,
                     prefill_rank,
+                    generation,
                 } => {
-                    let frames = wire::encode_abort_ack(room, prefill_rank);
+                    // 4 frames echoing a 5-frame ABORT's generation (sglang 0.5.23), else the
+                    // ranked 3-frame form of sglang main.
+                    let form = if generation.is_some() { "4" } else { "3" };
+                    metrics::counter!("kvx_abort_acks_total", "frames" => form).increment(1);
+                    let frames = wire::encode_abort_ack(room, prefill_rank, generation);
                     let _ = lock(&self.notices).send(Notice::Send(endpoint, frames));
                 }
                 PrefillAction::Concluded {
@@ -798,15 +827,21 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
     };
     match msg {
         PrefillInbound::Registration(reg) => {
-            if reg.dcp_size > 1 {
-                metrics::counter!("kvx_malformed_frames_total", "kind" => "unsupported_dcp")
-                    .increment(1);
-                tracing::warn!(session = %reg.session, dcp = reg.dcp_size, "registration with decode context parallelism rejected");
-                return;
+            let (session, endpoint) = (reg.session.clone(), reg.endpoint.clone());
+            let v0523 = reg.accepts_status_reason();
+            match shared.handle(PrefillEvent::Register(*reg)) {
+                Ok(()) => {
+                    metrics::counter!("kvx_registrations_total").increment(1);
+                    tracing::info!(%session, %endpoint, sglang_0_5_23 = v0523, "decode registered");
+                }
+                Err(e) => {
+                    // A DCP size or rank this rank cannot pair with (sglang 0.5.23 refuses DCP 1
+                    // with a non-zero rank too): dropped, the session stays unregistered.
+                    metrics::counter!("kvx_malformed_frames_total", "kind" => e.kind())
+                        .increment(1);
+                    tracing::warn!(%session, %endpoint, error = %e, "registration refused");
+                }
             }
-            metrics::counter!("kvx_registrations_total").increment(1);
-            tracing::info!(session = %reg.session, endpoint = %reg.endpoint, "decode registered");
-            let _ = shared.handle(PrefillEvent::Register(*reg));
         }
         PrefillInbound::Metadata(req) => {
             let room = req.room;
@@ -842,9 +877,18 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
                 shared.event(EngineEvent::Ready { room, pages });
             }
         }
-        PrefillInbound::Abort { room, endpoint } => {
-            metrics::counter!("kvx_aborts_total").increment(1);
-            let _ = shared.handle(PrefillEvent::Abort { room, endpoint });
+        PrefillInbound::Abort {
+            room,
+            endpoint,
+            generation,
+        } => {
+            let form = if generation.is_some() { "5" } else { "4" };
+            metrics::counter!("kvx_aborts_total", "frames" => form).increment(1);
+            let _ = shared.handle(PrefillEvent::Abort {
+                room,
+                endpoint,
+                generation,
+            });
         }
         PrefillInbound::StagingRsp(rsp) => staging::on_rsp(shared, &rsp),
         PrefillInbound::Watermark(wm) => staging::on_watermark(shared, &wm),

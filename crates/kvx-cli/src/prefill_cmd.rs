@@ -40,7 +40,10 @@ pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
     .mla(layout.mla)
 }
 
-/// The `PUT /route` body of a TP-only prefill rank.
+/// The `PUT /route` body of a TP-only prefill rank, in sglang main's form: none of sglang
+/// 0.5.23's keys, so a bootstrap server (kvx's or sglang's) keeps serving its decodes the 15-key
+/// sentinel both releases' decodes accept (0.5.23's decode defaults the four it adds). The
+/// `prefill_http_port` is `None` here; [`run`] sets it to [`prefill_http_port`].
 pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration {
     RankRegistration {
         attn_tp_size: m.tp_size.max(1),
@@ -60,7 +63,20 @@ pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration
         load_balance_method: Some("follow_bootstrap_room".into()),
         enable_dsa_cache_layer_split: Some(false),
         prefill_http_port: None,
+        kv_layout: None,
+        dsv41_spec_layout: None,
+        enable_kv_cache_sharding: None,
+        decode_allocation_policy: None,
     }
+}
+
+/// What `kvx prefill` registers as `prefill_http_port` (sglang: the prefill's HTTP API port on
+/// the bootstrap host, where a 0.5.23 decode would POST `/generate` to rebootstrap a request).
+/// kvx has no generation API; the HTTP ports it does serve are `/metrics` on `--metrics-port`
+/// (this rank's own listener, preferred) and, with `--serve-bootstrap`, the bootstrap server
+/// (`/route`, `/health`, `/metrics`). `None` when it serves neither. Pass the ports as bound.
+pub fn prefill_http_port(metrics: Option<u16>, bootstrap: Option<u16>) -> Option<u16> {
+    metrics.or(bootstrap)
 }
 
 /// Starts a prefill rank with its synthetic forward pass on its own thread.
@@ -125,6 +141,7 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
         .build()?;
     let engine = start_rank(&args, crate::plane::Backend::Tcp, rt.handle().clone())?;
     let _server = rt.block_on(async {
+        let mut http_ports = (None, None);
         let server = if args.serve_bootstrap {
             let s = BootstrapServer::bind_with(
                 (args.bootstrap_host.as_str(), args.bootstrap_port),
@@ -134,6 +151,7 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
             .await
             .context("binding the bootstrap server")?;
             eprintln!("kvx prefill: bootstrap server on http://{}", s.local_addr());
+            http_ports.1 = Some(s.local_addr().port());
             Some(s)
         } else {
             None
@@ -142,9 +160,12 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
             let addr: SocketAddr = format!("{}:{p}", args.host).parse()?;
             let bound = telemetry::serve_metrics(addr).await?;
             eprintln!("kvx prefill: metrics on http://{bound}/metrics");
+            http_ports.0 = Some(bound.port());
         }
         let client = BootstrapClient::new(&args.bootstrap_host, args.bootstrap_port)?;
-        let reg = rank_registration(&args.model, &engine.endpoint().host, engine.endpoint().port);
+        let mut reg =
+            rank_registration(&args.model, &engine.endpoint().host, engine.endpoint().port);
+        reg.prefill_http_port = prefill_http_port(http_ports.0, http_ports.1);
         if let Err(e) = client.register_rank(&reg, &RetryPolicy::sglang()).await {
             tracing::error!(error = %e, "rank not registered with the bootstrap server");
         }

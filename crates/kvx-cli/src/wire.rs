@@ -24,6 +24,8 @@ pub enum PrefillInbound {
         room: Room,
         /// Where the ack goes.
         endpoint: Endpoint,
+        /// The 5th frame of sglang 0.5.23's `ABORT` (`None`: sglang main's 4-frame form).
+        generation: Option<u64>,
     },
     /// `STAGING_RSP`: where a decode placed one staged chunk.
     StagingRsp(StagingRsp),
@@ -39,6 +41,7 @@ pub fn parse_prefill_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<PrefillInbo
         codec::PrefillInbound::Abort(a) => PrefillInbound::Abort {
             room: a.room,
             endpoint: a.endpoint,
+            generation: a.generation,
         },
         codec::PrefillInbound::StagingRsp(r) => PrefillInbound::StagingRsp(staging_rsp(r)?),
         codec::PrefillInbound::Watermark(w) => PrefillInbound::Watermark(WatermarkMsg {
@@ -126,11 +129,13 @@ pub fn encode_metadata(t: &TransferRequest) -> Result<Frames, WireError> {
     codec::encode_metadata(t)
 }
 
-/// Encodes `ABORT` for a room from a decode endpoint.
-pub fn encode_abort(room: Room, me: &Endpoint) -> Frames {
+/// Encodes `ABORT` for a room from a decode endpoint: 4 frames, or 5 with `generation` (for a
+/// sglang 0.5.23 prefill, which acknowledges only an `ABORT` that carries one).
+pub fn encode_abort(room: Room, me: &Endpoint, generation: Option<u64>) -> Frames {
     Abort {
         room,
         endpoint: me.clone(),
+        generation,
     }
     .encode()
 }
@@ -146,13 +151,33 @@ pub fn encode_status(room: Room, status: KVPoll, prefill_unique_rank: u32) -> Fr
     .encode()
 }
 
-/// Encodes the 3-frame `ABORT_ACK` of sglang's deferred KV release: this prefill sends it only
-/// once nothing of the room is in flight, and names its `prefill_unique_rank` so the decode can
-/// count distinct ranks (a legacy decode reads frame 1 only).
-pub fn encode_abort_ack(room: Room, prefill_unique_rank: u32) -> Frames {
+/// Encodes a status with `reason` as a 4th frame (3 frames when `reason` is `None` or empty):
+/// only for a decode known to accept it (sglang 0.5.23, or a kvx decode); a sglang main decode's
+/// receive thread dies on 4 frames.
+pub fn encode_status_with_reason(
+    room: Room,
+    status: KVPoll,
+    prefill_unique_rank: u32,
+    reason: Option<&str>,
+) -> Frames {
+    TransferStatus {
+        room,
+        status,
+        prefill_rank: prefill_unique_rank,
+        reason: reason.map(str::to_owned),
+    }
+    .encode_with_reason()
+}
+
+/// Encodes the `ABORT_ACK` of sglang's deferred KV release: this prefill sends it only once
+/// nothing of the room is in flight, and names its `prefill_unique_rank` so the decode can count
+/// distinct ranks (a legacy decode reads frame 1 only). 3 frames, or 4 echoing the `ABORT`'s
+/// `generation` (sglang 0.5.23, whose decode ignores an ACK without one).
+pub fn encode_abort_ack(room: Room, prefill_unique_rank: u32, generation: Option<u64>) -> Frames {
     AbortAck {
         room,
         prefill_rank: Some(prefill_unique_rank),
+        generation,
     }
     .encode()
 }
@@ -194,6 +219,8 @@ pub enum DecodeInbound {
         room: Room,
         /// The acking prefill's unique rank (`None`: the legacy 2-frame form).
         rank: Option<u32>,
+        /// The acknowledged `ABORT`'s generation (sglang 0.5.23's 4-frame form).
+        generation: Option<u64>,
     },
     /// `STAGING_REQ`: a prefill rank asks for ring space for one chunk.
     StagingReq(StagingReq),
@@ -224,6 +251,7 @@ pub fn parse_decode_inbound<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeInboun
         codec::DecodeInbound::AbortAck(a) => DecodeInbound::AbortAck {
             room: a.room,
             rank: a.prefill_rank,
+            generation: a.generation,
         },
         codec::DecodeInbound::StagingReq(r) => DecodeInbound::StagingReq(StagingReq {
             room: r.room,
@@ -273,6 +301,7 @@ mod tests {
             dcp_size: 1,
             dcp_rank: 0,
             staging_slot_layer_ids: None,
+            kv_item_lens: None,
         }
     }
 
@@ -334,13 +363,42 @@ mod tests {
                 reason: None
             })
         );
-        let a = encode_abort(room, &Endpoint::new("127.0.0.1", 9));
+        let a = encode_abort(room, &Endpoint::new("127.0.0.1", 9), None);
+        assert_eq!(a.len(), 4);
         assert_eq!(
             parse_prefill_inbound(&a),
             Ok(PrefillInbound::Abort {
                 room,
-                endpoint: Endpoint::new("127.0.0.1", 9)
+                endpoint: Endpoint::new("127.0.0.1", 9),
+                generation: None,
             })
+        );
+        // sglang 0.5.23's 5-frame ABORT carries the generation.
+        let a = encode_abort(room, &Endpoint::new("127.0.0.1", 9), Some(12));
+        assert_eq!(a[4], b"12");
+        assert_eq!(
+            parse_prefill_inbound(&a),
+            Ok(PrefillInbound::Abort {
+                room,
+                endpoint: Endpoint::new("127.0.0.1", 9),
+                generation: Some(12),
+            })
+        );
+        // A status with its reason, for a decode that takes one.
+        let s = encode_status_with_reason(room, KVPoll::Failed, 1, Some("boom"));
+        assert_eq!(strs(&s), ["7", "0", "1", "boom"]);
+        assert_eq!(
+            parse_decode_inbound(&s),
+            Ok(DecodeInbound::Status {
+                room,
+                status: KVPoll::Failed,
+                rank: 1,
+                reason: Some("boom".into())
+            })
+        );
+        assert_eq!(
+            encode_status_with_reason(room, KVPoll::Success, 1, None),
+            encode_status(room, KVPoll::Success, 1)
         );
         assert!(parse_decode_inbound(&[b"7".to_vec(), b"4".to_vec()]).is_err());
         // AUX_DATA: the length frame is big-endian (spec §3.4).
@@ -356,7 +414,7 @@ mod tests {
             })
         );
         // The deferred-release ABORT_ACK names the rank; the legacy one does not.
-        let ack = encode_abort_ack(room, 3);
+        let ack = encode_abort_ack(room, 3, None);
         assert_eq!(
             ack,
             vec![b"ABORT_ACK".to_vec(), b"7".to_vec(), b"3".to_vec()]
@@ -365,12 +423,28 @@ mod tests {
             parse_decode_inbound(&ack),
             Ok(DecodeInbound::AbortAck {
                 room,
-                rank: Some(3)
+                rank: Some(3),
+                generation: None,
             })
         );
         assert_eq!(
             parse_decode_inbound(&[b"ABORT_ACK".to_vec(), b"7".to_vec()]),
-            Ok(DecodeInbound::AbortAck { room, rank: None })
+            Ok(DecodeInbound::AbortAck {
+                room,
+                rank: None,
+                generation: None
+            })
+        );
+        // sglang 0.5.23's 4-frame ACK echoes the ABORT's generation.
+        let ack = encode_abort_ack(room, 3, Some(12));
+        assert_eq!(strs(&ack), ["ABORT_ACK", "7", "3", "12"]);
+        assert_eq!(
+            parse_decode_inbound(&ack),
+            Ok(DecodeInbound::AbortAck {
+                room,
+                rank: Some(3),
+                generation: Some(12),
+            })
         );
         assert!(parse_prefill_inbound(&[b"garbage".to_vec()]).is_err());
     }

@@ -90,6 +90,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     };
     push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
         .unwrap();

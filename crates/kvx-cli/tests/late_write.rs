@@ -55,7 +55,12 @@ fn a_write_after_the_abort_ack_is_counted() {
     };
     let page = req.dst.unwrap().kv_pages[0];
     // No KV and no status: the decode's waiting timeout fires and it sends ABORT.
-    let PrefillInbound::Abort { room, endpoint } = recv(&rt, &mut inbox) else {
+    let PrefillInbound::Abort {
+        room,
+        endpoint,
+        generation,
+    } = recv(&rt, &mut inbox)
+    else {
         panic!("no ABORT");
     };
     assert_eq!(room, req.room);
@@ -63,6 +68,7 @@ fn a_write_after_the_abort_ack_is_counted() {
     let ack = AbortAck {
         room,
         prefill_rank: Some(0),
+        generation,
     }
     .encode();
     push.send(&endpoint, &ack).unwrap();

@@ -128,6 +128,7 @@ fn state_slots_travel_with_the_last_chunk() {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     };
     let prefill = engine.endpoint().clone();
     push.send(&prefill, &wire::encode_registration(&reg).unwrap())

@@ -7,6 +7,12 @@
 //! metadata went out — the last two emit an `ABORT` to every prefill rank of the room. Status
 //! messages for rooms it does not hold are dropped. Terminal rooms are released at once; the
 //! [`DecodeAction::Concluded`] action carries the outcome to the driver.
+//!
+//! Towards a prefill of sglang 0.5.23 (the driver says so at [`DecodeEvent::Init`], from the
+//! bootstrap sentinel's 0.5.23-only keys) every `ABORT` of a room carries a fresh generation —
+//! one counter per manager, as sglang's decode arms one per abort — which that prefill echoes in
+//! its `ABORT_ACK` and without which it sends no ACK at all; towards sglang main the `ABORT` keeps
+//! its 4 frames.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -50,6 +56,9 @@ pub enum DecodeEvent {
         required_prefill_response_num: u32,
         /// Inboxes of the room's prefill ranks (ABORT targets).
         prefill_endpoints: Vec<Endpoint>,
+        /// The prefill instance acknowledges only `ABORT`s that carry a generation (sglang
+        /// 0.5.23): the room's `ABORT`s get one.
+        generational_aborts: bool,
     },
     /// The per-room metadata went out (the waiting timeout starts now).
     MetadataSent {
@@ -112,12 +121,16 @@ pub enum DecodeFailure {
 /// Something the decode driver must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeAction {
-    /// Send `[ABORT, room, decode_ip, decode_port]` to a prefill rank.
+    /// Send `[ABORT, room, decode_ip, decode_port]` (plus `generation` as a 5th frame when set)
+    /// to a prefill rank.
     SendAbort {
         /// The room.
         room: Room,
         /// The prefill rank's inbox.
         endpoint: Endpoint,
+        /// The abort's generation (the same for every rank of one abort), which the prefill's
+        /// `ABORT_ACK` must echo; `None` towards a prefill of sglang main.
+        generation: Option<u64>,
     },
     /// The room is terminal and released.
     Concluded {
@@ -148,6 +161,7 @@ struct DecodeRoom {
     required: u32,
     responded: Vec<u32>,
     endpoints: Vec<Endpoint>,
+    generational_aborts: bool,
     waiting_since: Option<Instant>,
 }
 
@@ -157,6 +171,8 @@ pub struct DecodeManager {
     cfg: DecodeConfig,
     rooms: HashMap<Room, DecodeRoom>,
     by_addr: HashMap<String, HashSet<Room>>,
+    /// The last abort generation handed out (sglang starts at 1).
+    last_generation: u64,
 }
 
 impl DecodeManager {
@@ -166,6 +182,7 @@ impl DecodeManager {
             cfg,
             rooms: HashMap::new(),
             by_addr: HashMap::new(),
+            last_generation: 0,
         }
     }
 
@@ -206,6 +223,7 @@ impl DecodeManager {
                         required: 0,
                         responded: Vec::new(),
                         endpoints: Vec::new(),
+                        generational_aborts: false,
                         waiting_since: None,
                     },
                 );
@@ -214,10 +232,12 @@ impl DecodeManager {
                 room,
                 required_prefill_response_num,
                 prefill_endpoints,
+                generational_aborts,
             } => {
                 let r = self.get(room)?;
                 r.required = required_prefill_response_num.max(1);
                 r.endpoints = prefill_endpoints;
+                r.generational_aborts = generational_aborts;
                 r.status = r.status.update(KVPoll::WaitingForInput);
                 self.maybe_succeed(room, out);
             }
@@ -312,10 +332,15 @@ impl DecodeManager {
         }
         r.status = KVPoll::Failed;
         if abort {
+            let generation = r.generational_aborts.then(|| {
+                self.last_generation = self.last_generation.wrapping_add(1).max(1);
+                self.last_generation
+            });
             for endpoint in &r.endpoints {
                 out.push(DecodeAction::SendAbort {
                     room,
                     endpoint: endpoint.clone(),
+                    generation,
                 });
             }
         }
@@ -372,6 +397,7 @@ mod tests {
                 room: r,
                 required_prefill_response_num: required,
                 prefill_endpoints: vec![ep(1), ep(2)],
+                generational_aborts: false,
             },
             &mut out,
         )
@@ -504,6 +530,56 @@ mod tests {
         assert_eq!(m.poll(room(2)), Some(KVPoll::Bootstrapping));
     }
 
+    #[test]
+    fn aborts_carry_a_generation_only_towards_generational_prefills() {
+        let now = Instant::now();
+        let mut m = DecodeManager::default();
+        let mut out = Vec::new();
+        for (n, generational) in [(1, true), (2, false), (3, true)] {
+            let r = room(n);
+            m.handle(
+                now,
+                DecodeEvent::Created {
+                    room: r,
+                    bootstrap_addr: "10.0.0.1:8998".into(),
+                },
+                &mut out,
+            )
+            .unwrap();
+            m.handle(
+                now,
+                DecodeEvent::Init {
+                    room: r,
+                    required_prefill_response_num: 1,
+                    prefill_endpoints: vec![ep(1), ep(2)],
+                    generational_aborts: generational,
+                },
+                &mut out,
+            )
+            .unwrap();
+        }
+        let mut gens = Vec::new();
+        for n in [1, 2, 3] {
+            out.clear();
+            m.handle(now, DecodeEvent::LocalAbort { room: room(n) }, &mut out)
+                .unwrap();
+            let g: Vec<Option<u64>> = out
+                .iter()
+                .filter_map(|a| match a {
+                    DecodeAction::SendAbort { generation, .. } => Some(*generation),
+                    _ => None,
+                })
+                .collect();
+            gens.push(g);
+        }
+        // One generation per abort, shared by every rank of it, counting from 1; none towards
+        // a prefill of sglang main.
+        assert_eq!(
+            gens,
+            vec![vec![Some(1), Some(1)], vec![None, None], vec![Some(2), Some(2)]]
+        );
+    }
+
     #[derive(Clone, Debug)]
     enum Step {
         Create(u64, u8),
@@ -539,7 +615,7 @@ mod tests {
                 out.clear();
                 let e = match *s {
                     Step::Create(r, a) => DecodeEvent::Created { room: room(r), bootstrap_addr: format!("h{a}:1") },
-                    Step::Init(r, n) => DecodeEvent::Init { room: room(r), required_prefill_response_num: n, prefill_endpoints: vec![ep(1)] },
+                    Step::Init(r, n) => DecodeEvent::Init { room: room(r), required_prefill_response_num: n, prefill_endpoints: vec![ep(1)], generational_aborts: r % 2 == 0 },
                     Step::Sent(r) => DecodeEvent::MetadataSent { room: room(r) },
                     Step::Status(r, ok, k) => status(room(r), if ok { KVPoll::Success } else { KVPoll::Failed }, k),
                     Step::Lost(a) => DecodeEvent::HeartbeatLost { bootstrap_addr: format!("h{a}:1") },

@@ -144,6 +144,19 @@ pub struct DecodeRegistration {
     pub dcp_rank: u32,
     /// Staging slot layer ids (u64 per slot; later sglang only). `None` when the frame is absent.
     pub staging_slot_layer_ids: Option<Vec<u64>>,
+    /// Per-KV-buffer item lengths (frame 19, u64 LE each; sglang 0.5.23 only). `None` when the
+    /// frame is absent. Its presence is what marks the decode as 0.5.23-shaped (see
+    /// [`DecodeRegistration::accepts_status_reason`]).
+    pub kv_item_lens: Option<Vec<u64>>,
+}
+
+impl DecodeRegistration {
+    /// True when the registration shows a decode whose status parser takes an optional 4th
+    /// failure-reason frame: sglang 0.5.23 always sends frame 19 (`kv_item_lens`) and parses a
+    /// reason frame; sglang main ("K") sends 18 frames and dies on a 4-frame status.
+    pub fn accepts_status_reason(&self) -> bool {
+        self.kv_item_lens.is_some()
+    }
 }
 
 /// Where one room's data goes on one decode rank (absent for a dummy destination).

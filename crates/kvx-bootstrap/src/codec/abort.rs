@@ -1,12 +1,16 @@
 //! `ABORT` (spec §3.5, decode → prefill) and `ABORT_ACK` (spec §3.6, prefill → decode).
-//! `ABORT` is exactly 4 frames; `ABORT_ACK` is 2 frames (legacy) or 3 with the acking prefill's
-//! unique rank (deferred KV release), and a legacy decode reads only frame 1 of either form.
+//!
+//! `ABORT` is 4 frames from sglang main, 5 from sglang 0.5.23 (deferred KV release on by default:
+//! the 5th frame is the decode's abort `generation`). `ABORT_ACK` is 2 frames (legacy), 3 with the
+//! acking prefill's unique rank (sglang main's deferred release), or 4 with the generation of the
+//! `ABORT` it answers (sglang 0.5.23, whose decode ignores an ACK without one); a legacy decode
+//! reads only frame 1 of any form. The generation is an ASCII decimal u64.
 
 use kvx_core::{Endpoint, Room};
 
 use super::scalar::{
     ascii_room, ascii_u64, check_count, frame_opt, frame_or_empty, parse_host, parse_port,
-    parse_room, parse_u32,
+    parse_room, parse_u32, parse_u64,
 };
 use super::{CodecError, Frames};
 
@@ -22,12 +26,15 @@ pub struct Abort {
     pub room: Room,
     /// The aborting decode rank's inbox, where the ack goes.
     pub endpoint: Endpoint,
+    /// The 5th frame (sglang 0.5.23): the decode's abort generation, to be echoed by the ack.
+    /// `None` for the 4-frame form.
+    pub generation: Option<u64>,
 }
 
 impl Abort {
-    /// Parses `[ABORT, room, host, port]`.
+    /// Parses `[ABORT, room, host, port]` or `[ABORT, room, host, port, generation]`.
     pub fn parse<F: AsRef<[u8]>>(frames: &[F]) -> Result<Self, CodecError> {
-        check_count(frames, "abort", 4, 4, "4")?;
+        check_count(frames, "abort", 4, 5, "4 or 5")?;
         let f = |i| frame_or_empty(frames, i);
         if f(0) != ABORT_TAG {
             return Err(super::unknown_tag(f(0)));
@@ -38,17 +45,24 @@ impl Abort {
                 parse_host(f(2), "abort.host")?,
                 parse_port(f(3), "abort.port")?,
             ),
+            generation: frame_opt(frames, 4)
+                .map(|b| parse_u64(b, "abort.generation"))
+                .transpose()?,
         })
     }
 
-    /// Encodes the 4 frames.
+    /// Encodes 4 frames, or 5 when the generation is set.
     pub fn encode(&self) -> Frames {
-        vec![
+        let mut out = vec![
             ABORT_TAG.to_vec(),
             ascii_room(self.room),
             self.endpoint.host.as_bytes().to_vec(),
             ascii_u64(u64::from(self.endpoint.port)),
-        ]
+        ];
+        if let Some(g) = self.generation {
+            out.push(ascii_u64(g));
+        }
+        out
     }
 }
 
@@ -59,12 +73,16 @@ pub struct AbortAck {
     pub room: Room,
     /// The acking prefill's unique rank (deferred-release form); `None` for the legacy form.
     pub prefill_rank: Option<u32>,
+    /// The generation of the acknowledged `ABORT` (sglang 0.5.23's 4-frame form). Encoded only
+    /// with a rank: the 4-frame form always has one.
+    pub generation: Option<u64>,
 }
 
 impl AbortAck {
-    /// Parses `[ABORT_ACK, room]` or `[ABORT_ACK, room, prefill_rank]`.
+    /// Parses `[ABORT_ACK, room]`, `[ABORT_ACK, room, prefill_rank]` or
+    /// `[ABORT_ACK, room, prefill_rank, generation]`.
     pub fn parse<F: AsRef<[u8]>>(frames: &[F]) -> Result<Self, CodecError> {
-        check_count(frames, "abort_ack", 2, 3, "2 or 3")?;
+        check_count(frames, "abort_ack", 2, 4, "2, 3 or 4")?;
         let f = |i| frame_or_empty(frames, i);
         if f(0) != ABORT_ACK_TAG {
             return Err(super::unknown_tag(f(0)));
@@ -74,14 +92,21 @@ impl AbortAck {
             prefill_rank: frame_opt(frames, 2)
                 .map(|b| parse_u32(b, "abort_ack.prefill_rank"))
                 .transpose()?,
+            generation: frame_opt(frames, 3)
+                .map(|b| parse_u64(b, "abort_ack.generation"))
+                .transpose()?,
         })
     }
 
-    /// Encodes 2 frames, or 3 when the rank is set.
+    /// Encodes 2 frames, 3 when the rank is set, 4 when the generation is set too (a
+    /// generation without a rank is not encodable on the wire and is left out).
     pub fn encode(&self) -> Frames {
         let mut out = vec![ABORT_ACK_TAG.to_vec(), ascii_room(self.room)];
         if let Some(rank) = self.prefill_rank {
             out.push(ascii_u64(u64::from(rank)));
+            if let Some(g) = self.generation {
+                out.push(ascii_u64(g));
+            }
         }
         out
     }

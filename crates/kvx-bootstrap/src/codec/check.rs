@@ -68,12 +68,20 @@ pub fn decode_inbox<F: AsRef<[u8]>>(frames: &[F]) -> Result<(), CodecError> {
             let again = DecodeInbound::parse(&encoded);
             match (&msg, &again) {
                 (DecodeInbound::Status(a), Ok(DecodeInbound::Status(b))) => {
-                    // The reason frame is never sent.
+                    // The reason travels as a 4th frame, and only when there is one; the
+                    // 3-frame form every decode takes carries the rest.
+                    assert_eq!(a, b);
+                    assert_eq!(encoded.len(), if a.reason.is_some() { 4 } else { 3 });
+                    let plain = TransferStatus::parse(&a.encode());
                     assert_eq!(
-                        (a.room, a.status, a.prefill_rank),
-                        (b.room, b.status, b.prefill_rank)
+                        plain.map(|p| (p.room, p.status, p.prefill_rank, p.reason)),
+                        Ok((a.room, a.status, a.prefill_rank, None))
                     );
-                    assert_eq!(b.reason, None);
+                }
+                (DecodeInbound::AbortAck(a), Ok(b)) => {
+                    // A generation without a rank is not encodable; nothing parses to one.
+                    assert!(a.generation.is_none() || a.prefill_rank.is_some());
+                    assert_eq!(&msg, b);
                 }
                 (a, Ok(b)) => assert_eq!(a, b),
                 (_, Err(e)) => panic!("re-parse failed: {e}"),
@@ -141,6 +149,13 @@ pub fn every_parser<F: AsRef<[u8]>>(frames: &[F]) {
                 back.map(|b| (b.room, b.status, b.prefill_rank)),
                 Ok((s.room, s.status, s.prefill_rank))
             );
+            // The 4-frame form (sglang 0.5.23) carries the reason back unchanged, and encoding
+            // is canonical: the same bytes again from what it parses to.
+            let with = s.encode_with_reason();
+            assert_eq!(with.len(), if s.reason.is_some() { 4 } else { 3 });
+            let back = TransferStatus::parse(&with);
+            assert_eq!(back.as_ref(), Ok(&s));
+            assert_eq!(back.map(|b| b.encode_with_reason()), Ok(with));
         }
         Err(e) => known(&e),
     }

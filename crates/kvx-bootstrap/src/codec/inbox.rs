@@ -121,11 +121,11 @@ impl<'a> DecodeInbound<'a> {
         }
     }
 
-    /// Encodes the message back to frames (the canonical form of what was parsed; a status
-    /// drops its reason, as [`TransferStatus::encode`] does).
+    /// Encodes the message back to frames (the canonical form of what was parsed: a status keeps
+    /// its reason as a 4th frame, see [`TransferStatus::encode_with_reason`]).
     pub fn encode(&self) -> Result<Frames, CodecError> {
         match self {
-            DecodeInbound::Status(s) => Ok(s.encode()),
+            DecodeInbound::Status(s) => Ok(s.encode_with_reason()),
             DecodeInbound::AuxData(a) => a.encode(),
             DecodeInbound::ChunkReady(c) => Ok(c.encode()),
             DecodeInbound::StagingReq(s) => Ok(s.encode()),

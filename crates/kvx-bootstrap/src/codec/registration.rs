@@ -3,9 +3,12 @@
 //!
 //! Parsing accepts 10 or more frames (frames 10–17 optional, 12/13/15/16/17 also empty; frames 6,
 //! 10 and 11 accept empty bytes as the empty list; a frame 14 whose length is not 8 means "no
-//! staging ring"; frame 18 is the later revision's staging slot layer ids; further trailing
-//! frames are ignored, as sglang's index-based parser ignores them). Encoding writes frames 0–17
-//! exactly as the target revision does, plus frame 18 only when slot layer ids are present.
+//! staging ring"; frame 18 is the later revision's staging slot layer ids; frame 19 is sglang
+//! 0.5.23's per-buffer `kv_item_lens` (u64 LE, may be empty) — the frame that tells a 0.5.23
+//! decode from a sglang main one, see [`DecodeRegistration::accepts_status_reason`]; further
+//! trailing frames are ignored, as sglang's index-based parser ignores them). Encoding writes
+//! frames 0–17 exactly as the target revision does, plus frame 18 when slot layer ids or item
+//! lengths are present (empty when only the latter are) and frame 19 when item lengths are.
 
 use kvx_core::{DecodeRegistration, Endpoint, SessionId, StagingRingInfo};
 
@@ -64,6 +67,9 @@ pub fn parse_registration<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeRegistra
     let staging_slot_layer_ids = frame_opt(frames, 18)
         .map(|b| LeSlice::<u64>::new(b, "registration.staging_slot_layer_ids").map(|s| s.to_vec()))
         .transpose()?;
+    let kv_item_lens = frame_opt(frames, 19)
+        .map(|b| LeSlice::<u64>::new(b, "registration.kv_item_lens").map(|s| s.to_vec()))
+        .transpose()?;
     Ok(DecodeRegistration {
         endpoint: Endpoint::new(host, port),
         session: SessionId::new(session),
@@ -81,13 +87,15 @@ pub fn parse_registration<F: AsRef<[u8]>>(frames: &[F]) -> Result<DecodeRegistra
         dcp_size,
         dcp_rank,
         staging_slot_layer_ids,
+        kv_item_lens,
     })
 }
 
-/// Encodes a registration message: 18 frames, or 19 when `staging_slot_layer_ids` is set. Fails
-/// only when a list is too long for the packed format's u32 lengths.
+/// Encodes a registration message: 18 frames, 19 when only `staging_slot_layer_ids` is set, 20
+/// (sglang 0.5.23's form) when `kv_item_lens` is set. Fails only when a list is too long for the
+/// packed format's u32 lengths.
 pub fn encode_registration(reg: &DecodeRegistration) -> Result<Frames, CodecError> {
-    let mut out = Vec::with_capacity(19);
+    let mut out = Vec::with_capacity(20);
     out.push(REGISTRATION_TAG.to_vec());
     out.push(reg.endpoint.host.as_bytes().to_vec());
     out.push(ascii_u64(u64::from(reg.endpoint.port)));
@@ -119,8 +127,14 @@ pub fn encode_registration(reg: &DecodeRegistration) -> Result<Frames, CodecErro
     out.push(reg.staging.size.map_or_else(Vec::new, ascii_u64));
     out.push(ascii_u64(u64::from(reg.dcp_size)));
     out.push(ascii_u64(u64::from(reg.dcp_rank)));
-    if let Some(ids) = &reg.staging_slot_layer_ids {
-        out.push(encode_le(ids));
+    match (&reg.staging_slot_layer_ids, &reg.kv_item_lens) {
+        (None, None) => {}
+        (ids, lens) => {
+            out.push(ids.as_deref().map_or_else(Vec::new, encode_le));
+            if let Some(lens) = lens {
+                out.push(encode_le(lens));
+            }
+        }
     }
     Ok(out)
 }

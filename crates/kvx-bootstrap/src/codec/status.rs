@@ -1,6 +1,8 @@
 //! Transfer status (spec §3.3), prefill → decode: `[room, status, prefill_unique_rank]` plus, in
-//! the later revision, an optional failure-reason frame. Parsing accepts 3 or 4 frames; encoding
-//! always writes exactly 3, because a decode of the target revision dies on any other count.
+//! sglang 0.5.23 and the later revision, an optional failure-reason frame. Parsing accepts 3 or 4
+//! frames. [`TransferStatus::encode`] writes exactly 3, because a sglang main decode dies on any
+//! other count; [`TransferStatus::encode_with_reason`] adds the reason as a 4th frame, for a
+//! decode known to accept one (the caller decides, from what the decode sent).
 
 use kvx_core::{KVPoll, Room};
 
@@ -19,7 +21,8 @@ pub struct TransferStatus {
     pub status: KVPoll,
     /// The sender's `prefill_unique_rank`.
     pub prefill_rank: u32,
-    /// Failure reason (4th frame, later revision only). Never encoded; `None` when absent or empty.
+    /// Failure reason (4th frame; sglang 0.5.23 and later). Encoded only by
+    /// [`encode_with_reason`](Self::encode_with_reason); `None` when absent or empty.
     pub reason: Option<String>,
 }
 
@@ -51,5 +54,21 @@ impl TransferStatus {
             ascii_u64(u64::from(self.status.as_u8())),
             ascii_u64(u64::from(self.prefill_rank)),
         ]
+    }
+
+    /// Encodes the message with its reason as a 4th frame (UTF-8, cut at a character boundary
+    /// to [`MAX_REASON_LEN`] bytes so any kvx decode parses it back), or as 3 frames when there
+    /// is no (non-empty) reason. Only for decodes that take a 4th frame: sglang 0.5.23 reads it
+    /// as the failure reason; a sglang main decode dies on it.
+    pub fn encode_with_reason(&self) -> Frames {
+        let mut out = self.encode();
+        if let Some(reason) = self.reason.as_deref().filter(|r| !r.is_empty()) {
+            let mut end = reason.len().min(MAX_REASON_LEN);
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            out.push(reason.as_bytes()[..end].to_vec());
+        }
+        out
     }
 }

@@ -216,7 +216,8 @@ impl BootstrapClient {
         Self::expect_ok(resp).await
     }
 
-    /// The sentinel query: the prefill instance's topology (strict keys, as sglang's decode).
+    /// The sentinel query: the prefill instance's topology (strict keys, as sglang's decode:
+    /// sglang main's 15 and sglang 0.5.23's four more are known, anything else is an error).
     pub async fn prefill_info(&self) -> Result<PrefillServerInfo, ClientError> {
         let body = self.get_route(RouteQuery::SENTINEL).await?;
         Ok(serde_json::from_slice(&body)?)

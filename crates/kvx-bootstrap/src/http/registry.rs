@@ -6,10 +6,18 @@
 //! first-writer-wins, every `PUT /route` increments the registered count (a restarted rank
 //! double counts, as in sglang), and the instance is ready once all four sizes are known and
 //! `registered >= dp·cp·tp·pp`.
+//!
+//! sglang 0.5.23's additions are kept as that release keeps them — `kv_layout` first non-null
+//! wins, `enable_kv_cache_sharding` first registration wins, `dsv41_spec_layout` and
+//! `decode_allocation_policy` must agree across ranks (a disagreeing registration is refused
+//! with 0.5.23's texts, [`RegistrationConflict`]) — and are served in the sentinel only once a
+//! prefill registered in 0.5.23's form: an instance of sglang main prefills answers its decodes
+//! with exactly the 15 keys they accept.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use super::pyjson::PyJson;
 use super::types::{PrefillServerInfo, RankInfo, RankRegistration};
 
 /// The four coordinates of a `GET /route` query (`-1` in all four is the sentinel).
@@ -65,6 +73,42 @@ struct Topology {
     prefill_http_port: Option<u16>,
     follow_bootstrap_room: Option<bool>,
     enable_dsa_cache_layer_split: Option<bool>,
+    /// A registration carried sglang 0.5.23's keys: the sentinel serves them.
+    v0523: bool,
+    kv_layout: Option<String>,
+    enable_kv_cache_sharding: Option<bool>,
+    /// Set by every accepted registration (all agree).
+    dsv41_spec_layout: Option<PyJson>,
+    /// Set by every accepted registration (all agree); `None` is `"early"`.
+    decode_allocation_policy: Option<String>,
+}
+
+impl Topology {
+    fn allocation_policy(&self) -> &str {
+        self.decode_allocation_policy.as_deref().unwrap_or("early")
+    }
+}
+
+/// A `PUT /route` that disagrees with the ranks registered before it (sglang 0.5.23 answers it
+/// with 400 and these texts, and keeps nothing of it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegistrationConflict {
+    /// `dsv41_spec_layout` differs from the earlier ranks'.
+    #[error("DeepSeek-V4.1 DSpark PD layout differs across prefill ranks")]
+    DsparkLayout,
+    /// `decode_allocation_policy` differs from the earlier ranks'.
+    #[error("Inconsistent prefill allocation policies")]
+    AllocationPolicy,
+}
+
+impl RegistrationConflict {
+    /// A short, stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RegistrationConflict::DsparkLayout => "dspark_layout",
+            RegistrationConflict::AllocationPolicy => "allocation_policy",
+        }
+    }
 }
 
 fn set_once<T>(slot: &mut Option<T>, value: Option<T>) {
@@ -88,9 +132,28 @@ impl Registry {
         Self::default()
     }
 
-    /// Records a `PUT /route` registration.
-    pub fn register_rank(&mut self, r: &RankRegistration) {
+    /// Records a `PUT /route` registration, or refuses it (nothing kept, not counted) when its
+    /// `dsv41_spec_layout` or `decode_allocation_policy` differs from the earlier ranks' — in
+    /// that order, as sglang 0.5.23 checks them. A body without those keys (sglang main) has no
+    /// layout and the `"early"` policy.
+    pub fn register_rank(&mut self, r: &RankRegistration) -> Result<(), RegistrationConflict> {
+        if self.registered > 0 {
+            if self.topology.dsv41_spec_layout != r.dsv41_spec_layout {
+                return Err(RegistrationConflict::DsparkLayout);
+            }
+            if self.topology.allocation_policy() != r.allocation_policy() {
+                return Err(RegistrationConflict::AllocationPolicy);
+            }
+        }
         let t = &mut self.topology;
+        t.dsv41_spec_layout = r.dsv41_spec_layout.clone();
+        t.decode_allocation_policy = r.decode_allocation_policy.clone();
+        t.v0523 |= r.has_0523_keys();
+        set_once(&mut t.kv_layout, r.kv_layout.clone());
+        set_once(
+            &mut t.enable_kv_cache_sharding,
+            Some(r.enable_kv_cache_sharding.unwrap_or(false)),
+        );
         set_once(&mut t.attn_tp_size, Some(r.attn_tp_size));
         set_once(&mut t.attn_cp_size, Some(r.attn_cp_size));
         set_once(&mut t.dp_size, Some(r.dp_size()));
@@ -120,6 +183,7 @@ impl Registry {
             },
         );
         self.registered += 1;
+        Ok(())
     }
 
     /// How many `PUT /route` calls were recorded (re-registrations included).
@@ -144,9 +208,11 @@ impl Registry {
         self.expected().is_some_and(|n| self.registered >= n)
     }
 
-    /// The topology as the sentinel query returns it, if all sizes are known.
+    /// The topology as the sentinel query returns it, if all sizes are known: sglang main's 15
+    /// keys, plus sglang 0.5.23's once a prefill registered in that form.
     pub fn topology(&self) -> Option<PrefillServerInfo> {
         let t = &self.topology;
+        let v0523 = t.v0523;
         Some(PrefillServerInfo {
             attn_tp_size: t.attn_tp_size?,
             attn_cp_size: t.attn_cp_size?,
@@ -156,6 +222,10 @@ impl Registry {
             kv_cache_dtype: t.kv_cache_dtype.clone(),
             follow_bootstrap_room: t.follow_bootstrap_room.unwrap_or(true),
             enable_dsa_cache_layer_split: t.enable_dsa_cache_layer_split.unwrap_or(false),
+            dsv41_spec_layout: t.dsv41_spec_layout.clone().filter(|_| v0523),
+            kv_layout: t.kv_layout.clone().filter(|_| v0523),
+            decode_allocation_policy: v0523.then(|| t.allocation_policy().to_owned()),
+            enable_kv_cache_sharding: v0523.then(|| t.enable_kv_cache_sharding.unwrap_or(false)),
             prefill_http_port: t.prefill_http_port,
             target_tp_rank: None,
             target_tp_ranks: None,
@@ -244,18 +314,103 @@ mod tests {
             load_balance_method: None,
             enable_dsa_cache_layer_split: None,
             prefill_http_port: Some(30000),
+            kv_layout: None,
+            dsv41_spec_layout: None,
+            enable_kv_cache_sharding: None,
+            decode_allocation_policy: None,
         }
+    }
+
+    /// `reg` as sglang 0.5.23 registers it (its four keys always present, layouts null).
+    fn reg_0523(tp: u32, tp_rank: u32, port: u16) -> RankRegistration {
+        RankRegistration {
+            enable_kv_cache_sharding: Some(false),
+            decode_allocation_policy: Some("early".into()),
+            ..reg(tp, tp_rank, port)
+        }
+    }
+
+    #[test]
+    fn sentinel_serves_0523_keys_only_after_a_0523_registration() {
+        let mut k = Registry::new();
+        k.register_rank(&reg(1, 0, 5000)).unwrap();
+        let t = k.topology().unwrap();
+        assert!(!t.has_0523_keys(), "a sglang main instance keeps K's 15 keys");
+        let mut r = Registry::new();
+        let mut first = reg_0523(2, 0, 5000);
+        first.kv_layout = Some("nhd".into());
+        r.register_rank(&first).unwrap();
+        let mut second = reg_0523(2, 1, 5001);
+        second.kv_layout = Some("other".into());
+        second.enable_kv_cache_sharding = Some(true);
+        second.prefill_http_port = Some(1);
+        r.register_rank(&second).unwrap();
+        let t = r.topology().unwrap();
+        assert_eq!(t.decode_allocation_policy.as_deref(), Some("early"));
+        assert_eq!(t.enable_kv_cache_sharding, Some(false), "first registration wins");
+        assert_eq!(t.kv_layout.as_deref(), Some("nhd"), "first non-null wins");
+        assert_eq!(t.dsv41_spec_layout, None);
+        assert_eq!(t.prefill_http_port, Some(30000));
+    }
+
+    #[test]
+    fn disagreeing_ranks_are_refused_with_0523_texts() {
+        let layout: PyJson = serde_json_layout(r#"{"num_draft_tokens": 4, "kv_item_lens": [64]}"#);
+        let mut r = Registry::new();
+        let mut a = reg_0523(2, 0, 5000);
+        a.dsv41_spec_layout = Some(layout.clone());
+        r.register_rank(&a).unwrap();
+        // Same layout with keys reordered and 4 as 4.0: equal for Python, accepted.
+        let mut b = reg_0523(2, 1, 5001);
+        b.dsv41_spec_layout = Some(serde_json_layout(
+            r#"{"kv_item_lens": [64], "num_draft_tokens": 4.0}"#,
+        ));
+        r.register_rank(&b).unwrap();
+        let mut c = reg_0523(2, 1, 5002);
+        let e = r.register_rank(&c).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"
+        );
+        c.dsv41_spec_layout = Some(layout.clone());
+        c.decode_allocation_policy = Some("prefill_complete".into());
+        let e = r.register_rank(&c).unwrap_err();
+        assert_eq!(e.to_string(), "Inconsistent prefill allocation policies");
+        assert_eq!(e.kind(), "allocation_policy");
+        // The layout is checked first; a refused registration changes nothing.
+        c.dsv41_spec_layout = None;
+        assert_eq!(
+            r.register_rank(&c),
+            Err(RegistrationConflict::DsparkLayout)
+        );
+        assert_eq!(r.registered(), 2);
+        let t = r.topology().unwrap();
+        assert_eq!(t.dsv41_spec_layout, Some(layout));
+        // A sglang main body has no layout and the "early" policy.
+        let mut r = Registry::new();
+        r.register_rank(&reg(1, 0, 5000)).unwrap();
+        let mut p = reg_0523(1, 0, 5001);
+        p.decode_allocation_policy = Some("prefill_complete".into());
+        assert_eq!(
+            r.register_rank(&p),
+            Err(RegistrationConflict::AllocationPolicy)
+        );
+        assert_eq!(r.register_rank(&reg_0523(1, 0, 5001)), Ok(()));
+    }
+
+    fn serde_json_layout(s: &str) -> PyJson {
+        serde_json::from_str(s).unwrap()
     }
 
     #[test]
     fn ready_after_all_ranks_and_first_writer_wins() {
         let mut r = Registry::new();
         assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(0));
-        r.register_rank(&reg(2, 0, 5000));
+        r.register_rank(&reg(2, 0, 5000)).unwrap();
         assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(1));
         let mut second = reg(4, 1, 5001);
         second.page_size = Some(64);
-        r.register_rank(&second);
+        r.register_rank(&second).unwrap();
         let RouteAnswer::Topology(t) = r.route(RouteQuery::SENTINEL) else {
             panic!("not ready")
         };
@@ -285,7 +440,7 @@ mod tests {
         let mut r = Registry::new();
         let mut huge = reg(u32::MAX, 0, 5000);
         (huge.attn_cp_size, huge.pp_size, huge.attn_dp_size) = (u32::MAX, u32::MAX, u32::MAX);
-        r.register_rank(&huge);
+        r.register_rank(&huge).unwrap();
         assert_eq!(r.expected(), Some(u64::MAX));
         assert!(!r.is_ready());
         assert_eq!(r.route(RouteQuery::SENTINEL), RouteAnswer::NotReady(1));
@@ -294,8 +449,8 @@ mod tests {
     #[test]
     fn reregistration_double_counts() {
         let mut r = Registry::new();
-        r.register_rank(&reg(2, 0, 5000));
-        r.register_rank(&reg(2, 0, 5002));
+        r.register_rank(&reg(2, 0, 5000)).unwrap();
+        r.register_rank(&reg(2, 0, 5002)).unwrap();
         // sglang counts the restarted rank twice: "ready" although rank 1 never came.
         assert!(r.is_ready());
         assert_eq!(r.registered(), 2);

@@ -5,7 +5,8 @@
 //! Status codes and texts are sglang's. Where sglang answers malformed input with an accidental
 //! aiohttp `500` (missing key in `PUT /route`, non-integer query parameter), kvx answers `400`
 //! with a text naming the problem; every rejection is logged and counted in
-//! `kvx_bootstrap_http_rejected_total{route,reason}`.
+//! `kvx_bootstrap_http_rejected_total{route,reason}`. A registration that disagrees with the
+//! earlier ranks (sglang 0.5.23's checks) gets 0.5.23's `400` and exact text.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -122,6 +123,18 @@ async fn put_route(State(state): State<BootstrapState>, body: Bytes) -> Response
     {
         return reject("/route", "Invalid registration", "a size is zero");
     }
+    if let Err(conflict) = state.lock().register_rank(&reg) {
+        tracing::warn!(
+            tp = reg.attn_tp_rank,
+            ip = %reg.rank_ip,
+            port = reg.rank_port,
+            error = %conflict,
+            "prefill rank registration refused"
+        );
+        metrics::counter!("kvx_bootstrap_http_rejected_total", "route" => "/route", "reason" => conflict.kind())
+            .increment(1);
+        return text(StatusCode::BAD_REQUEST, conflict.to_string());
+    }
     tracing::info!(
         dp = reg.dp_group(),
         cp = reg.attn_cp_rank,
@@ -129,15 +142,30 @@ async fn put_route(State(state): State<BootstrapState>, body: Bytes) -> Response
         pp = reg.pp_rank,
         ip = %reg.rank_ip,
         port = reg.rank_port,
+        sglang_0_5_23 = reg.has_0523_keys(),
         "prefill rank registered"
     );
-    state.lock().register_rank(&reg);
     text(StatusCode::OK, "OK")
 }
 
-/// Renders the sentinel answer exactly as sglang's `json_response(asdict(info))`.
+/// Renders the sentinel answer exactly as sglang's `json_response(asdict(info))`: sglang main's
+/// 15 keys, with sglang 0.5.23's four in that release's places when set (`dsv41_spec_layout` and
+/// `kv_layout` only when not `null`, as 0.5.23 drops them then).
 pub fn topology_json(t: &PrefillServerInfo) -> String {
-    pyjson::object([
+    let v0523 = [
+        t.dsv41_spec_layout
+            .as_ref()
+            .map(|j| ("dsv41_spec_layout", PyValue::Json(j))),
+        t.kv_layout
+            .as_deref()
+            .map(|s| ("kv_layout", PyValue::Str(s))),
+        t.decode_allocation_policy
+            .as_deref()
+            .map(|s| ("decode_allocation_policy", PyValue::Str(s))),
+        t.enable_kv_cache_sharding
+            .map(|b| ("enable_kv_cache_sharding", PyValue::Bool(b))),
+    ];
+    let head = [
         ("attn_tp_size", PyValue::Int(t.attn_tp_size.into())),
         ("attn_cp_size", PyValue::Int(t.attn_cp_size.into())),
         ("dp_size", PyValue::Int(t.dp_size.into())),
@@ -152,6 +180,8 @@ pub fn topology_json(t: &PrefillServerInfo) -> String {
             "enable_dsa_cache_layer_split",
             PyValue::Bool(t.enable_dsa_cache_layer_split),
         ),
+    ];
+    let tail = [
         ("prefill_http_port", opt_int(t.prefill_http_port)),
         ("target_tp_rank", PyValue::Null),
         ("target_tp_ranks", PyValue::Null),
@@ -159,7 +189,8 @@ pub fn topology_json(t: &PrefillServerInfo) -> String {
         ("target_pp_ranks", PyValue::Null),
         ("required_dst_info_num", PyValue::Null),
         ("required_prefill_response_num", PyValue::Null),
-    ])
+    ];
+    pyjson::object(head.into_iter().chain(v0523.into_iter().flatten()).chain(tail))
 }
 
 async fn get_route(

@@ -1,7 +1,13 @@
 //! The JSON bodies of the bootstrap API (spec §1.2): what a prefill rank registers, what the
 //! all-minus-one sentinel returns, and what a per-rank lookup returns.
+//!
+//! Both generations of sglang are covered: sglang main ("K") registers and serves the 15-key
+//! form; sglang 0.5.23 adds `kv_layout`, `dsv41_spec_layout`, `enable_kv_cache_sharding` and
+//! `decode_allocation_policy` to both (the `*_0523` helpers tell the forms apart).
 
 use serde::{Deserialize, Serialize};
+
+use super::pyjson::PyJson;
 
 /// The body of `PUT /route`: one prefill rank announcing its ZMQ inbox and the topology.
 ///
@@ -49,6 +55,20 @@ pub struct RankRegistration {
     /// The prefill instance's HTTP API port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_http_port: Option<u16>,
+    /// sglang 0.5.23: the KV byte layout both roles must share (DeepSeek-V4 pools), or `null`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<String>,
+    /// sglang 0.5.23: the DeepSeek-V4.1 DSpark transfer layout (any JSON value), or `null`.
+    /// Every rank of an instance must register the same one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dsv41_spec_layout: Option<PyJson>,
+    /// sglang 0.5.23: logical-page KV sharding across the prefill's ranks; absent means `false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_kv_cache_sharding: Option<bool>,
+    /// sglang 0.5.23: `--disaggregation-decode-allocation-policy` (`"early"` or
+    /// `"prefill_complete"`); absent means `"early"`. Every rank must register the same one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_allocation_policy: Option<String>,
 }
 
 impl RankRegistration {
@@ -77,13 +97,32 @@ impl RankRegistration {
             .as_deref()
             .is_none_or(|m| m == "follow_bootstrap_room")
     }
+
+    /// The decode allocation policy, `"early"` when absent (sglang 0.5.23's default).
+    pub fn allocation_policy(&self) -> &str {
+        self.decode_allocation_policy.as_deref().unwrap_or("early")
+    }
+
+    /// True when the body has a key only sglang 0.5.23 sends (it always sends
+    /// `decode_allocation_policy` and `enable_kv_cache_sharding`): the instance's sentinel then
+    /// carries 0.5.23's keys too.
+    pub fn has_0523_keys(&self) -> bool {
+        self.decode_allocation_policy.is_some()
+            || self.enable_kv_cache_sharding.is_some()
+            || self.kv_layout.is_some()
+            || self.dsv41_spec_layout.is_some()
+    }
 }
 
 /// The answer to the all-minus-one sentinel query: sglang's `PrefillServerInfo` as
 /// `dataclasses.asdict` renders it, same keys in the same order.
 ///
 /// sglang's decode builds `PrefillServerInfo(**json)`, so an unknown key breaks it; this type
-/// therefore rejects unknown keys when parsing, exactly like the decode would.
+/// therefore rejects unknown keys when parsing, as the decode would — knowing sglang 0.5.23's 19
+/// fields (K's 15 plus `dsv41_spec_layout`, `kv_layout`, `decode_allocation_policy`,
+/// `enable_kv_cache_sharding`), each of the four optional. A server of sglang main sends none of
+/// the four (its decodes would die on them); one of 0.5.23 always sends the last two and the
+/// first two when not `null`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefillServerInfo {
@@ -103,6 +142,18 @@ pub struct PrefillServerInfo {
     pub follow_bootstrap_room: bool,
     /// DSA cache layer split.
     pub enable_dsa_cache_layer_split: bool,
+    /// sglang 0.5.23: the DeepSeek-V4.1 DSpark layout; sent only when not `null`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dsv41_spec_layout: Option<PyJson>,
+    /// sglang 0.5.23: the KV byte layout; sent only when not `null`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<String>,
+    /// sglang 0.5.23: the decode allocation policy (`None`: a sglang main server, i.e. `"early"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_allocation_policy: Option<String>,
+    /// sglang 0.5.23: KV cache sharding across the prefill's ranks (`None`: sglang main, off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_kv_cache_sharding: Option<bool>,
     /// The prefill instance's HTTP API port, or `null`.
     pub prefill_http_port: Option<u16>,
     /// Filled in by the decode; always `null` from the server.
@@ -123,6 +174,28 @@ pub struct PrefillServerInfo {
     /// Filled in by the decode; always `null` from the server.
     #[serde(default)]
     pub required_prefill_response_num: Option<i64>,
+}
+
+impl PrefillServerInfo {
+    /// True when the answer has a key only a sglang 0.5.23 bootstrap server sends (or a kvx one
+    /// relaying 0.5.23 prefills): the prefill ranks behind it are 0.5.23's, which acknowledge only
+    /// an `ABORT` that carries a generation.
+    pub fn has_0523_keys(&self) -> bool {
+        self.decode_allocation_policy.is_some()
+            || self.enable_kv_cache_sharding.is_some()
+            || self.kv_layout.is_some()
+            || self.dsv41_spec_layout.is_some()
+    }
+
+    /// The decode allocation policy, `"early"` when not sent.
+    pub fn allocation_policy(&self) -> &str {
+        self.decode_allocation_policy.as_deref().unwrap_or("early")
+    }
+
+    /// Whether the prefill shards its KV cache across ranks (`false` when not sent).
+    pub fn kv_cache_sharding(&self) -> bool {
+        self.enable_kv_cache_sharding.unwrap_or(false)
+    }
 }
 
 /// The answer to a per-rank `GET /route`: where that prefill rank's ZMQ inbox is.

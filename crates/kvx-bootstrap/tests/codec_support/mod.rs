@@ -59,6 +59,7 @@ pub fn registration() -> impl Strategy<Value = DecodeRegistration> {
         any::<u32>(),
         any::<u32>(),
         proptest::option::of(vec(any::<u64>(), 0..6)),
+        proptest::option::of(vec(any::<u64>(), 0..6)),
     );
     (a, b).prop_map(
         |(
@@ -73,6 +74,7 @@ pub fn registration() -> impl Strategy<Value = DecodeRegistration> {
                 dcp_size,
                 dcp_rank,
                 slots,
+                item_lens,
             ),
         )| DecodeRegistration {
             endpoint,
@@ -90,7 +92,13 @@ pub fn registration() -> impl Strategy<Value = DecodeRegistration> {
             staging: StagingRingInfo { base, size },
             dcp_size,
             dcp_rank,
-            staging_slot_layer_ids: slots,
+            // With frame 19 present, frame 18 is always on the wire (empty when no slots).
+            staging_slot_layer_ids: if item_lens.is_some() {
+                Some(slots.unwrap_or_default())
+            } else {
+                slots
+            },
+            kv_item_lens: item_lens,
         },
     )
 }
@@ -141,13 +149,35 @@ pub fn status() -> impl Strategy<Value = TransferStatus> {
     })
 }
 
-pub fn abort() -> impl Strategy<Value = Abort> {
-    (room(), endpoint()).prop_map(|(room, endpoint)| Abort { room, endpoint })
+/// A status with an optional, non-empty failure reason (the 4-frame form when set).
+pub fn status_with_reason() -> impl Strategy<Value = TransferStatus> {
+    (status(), proptest::option::of(".{1,40}")).prop_map(|(s, reason)| TransferStatus {
+        reason,
+        ..s
+    })
 }
 
+pub fn abort() -> impl Strategy<Value = Abort> {
+    (room(), endpoint(), proptest::option::of(any::<u64>())).prop_map(
+        |(room, endpoint, generation)| Abort {
+            room,
+            endpoint,
+            generation,
+        },
+    )
+}
+
+/// An ack in any of its wire forms: 2 frames, 3 with a rank, 4 with a rank and a generation.
 pub fn abort_ack() -> impl Strategy<Value = AbortAck> {
-    (room(), proptest::option::of(any::<u32>()))
-        .prop_map(|(room, prefill_rank)| AbortAck { room, prefill_rank })
+    (
+        room(),
+        proptest::option::of((any::<u32>(), proptest::option::of(any::<u64>()))),
+    )
+        .prop_map(|(room, ranked)| AbortAck {
+            room,
+            prefill_rank: ranked.map(|(r, _)| r),
+            generation: ranked.and_then(|(_, g)| g),
+        })
 }
 
 pub fn staging_req() -> impl Strategy<Value = StagingReq> {
@@ -225,6 +255,7 @@ pub fn valid_frames() -> impl Strategy<Value = Vec<Vec<u8>>> {
         registration().prop_map(|r| kvx_bootstrap::codec::encode_registration(&r).unwrap()),
         request().prop_map(|r| kvx_bootstrap::codec::encode_metadata(&r).unwrap()),
         status().prop_map(|s| s.encode()),
+        status_with_reason().prop_map(|s| s.encode_with_reason()),
         abort().prop_map(|a| a.encode()),
         abort_ack().prop_map(|a| a.encode()),
         staging_req().prop_map(|s| s.encode()),

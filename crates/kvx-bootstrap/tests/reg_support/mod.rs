@@ -24,5 +24,9 @@ pub fn loopback_rank(tp_size: u32, tp_rank: u32, port: u16) -> RankRegistration 
         load_balance_method: Some("round_robin".into()),
         enable_dsa_cache_layer_split: Some(false),
         prefill_http_port: Some(30000),
+        kv_layout: None,
+        dsv41_spec_layout: None,
+        enable_kv_cache_sharding: None,
+        decode_allocation_policy: None,
     }
 }

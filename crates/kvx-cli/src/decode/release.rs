@@ -4,6 +4,11 @@
 //! is in flight — or until the release timeout; then the pages must stay unchanged for
 //! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. A room that failed without an
 //! `ABORT` (the prefill reported it, or the prefill is gone) keeps its pages for [`FAILED_GRACE`].
+//!
+//! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
+//! generation counts only when it is the room's current one (a late ACK of an earlier abort of a
+//! reused room id must not release the new room's pages), one without (sglang main's ranked
+//! 3-frame form) counts as it always did, and the legacy 2-frame form never does.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -15,12 +20,38 @@ use kvx_core::{Endpoint, Room};
 use super::{Peer, lock};
 
 /// Where an `ABORT` went and which ranks acknowledged it.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct AbortWait {
     /// The prefill inboxes the `ABORT` went to.
     pub(super) sent_to: HashSet<Endpoint>,
+    /// The generation the latest `ABORT` of the room carried (`None`: sent without one).
+    pub(super) generation: Option<u64>,
     /// The ranks whose ranked `ABORT_ACK` came back.
     pub(super) acked: HashSet<u32>,
+}
+
+impl AbortWait {
+    /// Records that an `ABORT` with `generation` went to `endpoint`.
+    pub(super) fn sent(&mut self, endpoint: Endpoint, generation: Option<u64>) {
+        if generation.is_some() && generation != self.generation {
+            // A new abort of the room: only ACKs of this one count from now on.
+            self.acked.clear();
+        }
+        self.generation = generation.or(self.generation);
+        self.sent_to.insert(endpoint);
+    }
+
+    /// Records an `ABORT_ACK`; true when it counts (see the module docs).
+    pub(super) fn on_ack(&mut self, rank: Option<u32>, generation: Option<u64>) -> bool {
+        let Some(rank) = rank else {
+            return false;
+        };
+        if generation.is_some() && generation != self.generation {
+            return false;
+        }
+        self.acked.insert(rank);
+        true
+    }
 }
 
 /// A failed room that was not ABORTed keeps its pages this long (its prefill may still have a
@@ -102,5 +133,42 @@ impl Peer {
             }
         }
         h.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(n: u16) -> Endpoint {
+        Endpoint::new("10.0.0.1", n)
+    }
+
+    #[test]
+    fn acks_count_by_form_and_generation() {
+        let mut w = AbortWait::default();
+        w.sent(ep(1), Some(3));
+        w.sent(ep(2), Some(3));
+        // Legacy 2-frame: promises nothing. Another generation: a stale ACK.
+        assert!(!w.on_ack(None, None));
+        assert!(!w.on_ack(Some(0), Some(2)));
+        assert!(w.acked.is_empty());
+        // sglang 0.5.23's 4-frame form with the right generation, and sglang main's 3-frame one.
+        assert!(w.on_ack(Some(0), Some(3)));
+        assert!(w.on_ack(Some(1), None));
+        assert_eq!(w.acked.len(), w.sent_to.len());
+        // A later abort of the room starts the count over.
+        w.sent(ep(1), Some(4));
+        assert!(w.acked.is_empty());
+        assert!(!w.on_ack(Some(0), Some(3)));
+        assert!(w.on_ack(Some(0), Some(4)));
+    }
+
+    #[test]
+    fn without_a_generation_a_generational_ack_is_stale() {
+        let mut w = AbortWait::default();
+        w.sent(ep(1), None);
+        assert!(!w.on_ack(Some(0), Some(1)));
+        assert!(w.on_ack(Some(0), None));
     }
 }

@@ -58,6 +58,7 @@ fn reg(dt: u32, drank: u32, ring: u64) -> DecodeRegistration {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
     }
 }
 

@@ -8,6 +8,13 @@
 //! every session succeeded) or Failed (first reason kept; every non-dummy decode is told with
 //! status 0). Once a room is terminal, its sender known and nothing is outstanding, every
 //! per-room entry is dropped ([`PrefillManager::live_entries`] counts them for leak tests).
+//!
+//! Two peer generations are served side by side, told apart by what each decode sends: a
+//! registration with frame 19 (sglang 0.5.23) or a 5-frame `ABORT` marks its session as taking a
+//! failure reason as a 4th status frame; an `ABORT` with a generation is acknowledged with the
+//! 4-frame `ABORT_ACK` echoing it, a 4-frame `ABORT` (sglang main) with the 3-frame one, both only
+//! once the room's writes drained. A registration whose DCP size or rank does not pair with this
+//! rank's (1, 0) is refused ([`PrefillError::DcpMismatch`]).
 
 mod plan;
 #[cfg(test)]
@@ -47,7 +54,9 @@ struct RoomState {
     inflight: usize,
     last_done: bool,
     failure: Option<RoomError>,
-    pending_acks: Vec<Endpoint>,
+    /// ABORT_ACKs waiting for the room to drain: one per decode endpoint, with the generation
+    /// of its latest `ABORT` (`None` for a 4-frame one).
+    pending_acks: Vec<(Endpoint, Option<u64>)>,
 }
 
 impl RoomState {
@@ -133,6 +142,12 @@ impl PrefillManager {
         self.sessions.get(session).map(|s| &s.reg)
     }
 
+    /// True when a Failed status towards `session` may carry the reason as a 4th frame (the
+    /// decode is known to be sglang 0.5.23-shaped; see [`PrefillAction::SendStatus`]).
+    pub fn accepts_status_reason(&self, session: &SessionId) -> bool {
+        self.sessions.get(session).is_some_and(|s| s.status_reason)
+    }
+
     /// The KV path towards a registered session (for metrics and the staging hook).
     pub fn path_for(&self, session: &SessionId) -> Option<TransferPath> {
         self.sessions
@@ -165,6 +180,13 @@ impl PrefillManager {
     ) -> Result<(), PrefillError> {
         match event {
             PrefillEvent::Register(reg) => {
+                if reg.dcp_size != 1 || reg.dcp_rank != 0 {
+                    return Err(PrefillError::DcpMismatch {
+                        session: reg.session,
+                        dcp_size: reg.dcp_size,
+                        dcp_rank: reg.dcp_rank,
+                    });
+                }
                 self.failed.remove(&reg.session);
                 let session = Session::new(reg, &self.local);
                 self.sessions.insert(session.reg.session.clone(), session);
@@ -192,8 +214,12 @@ impl PrefillManager {
             PrefillEvent::BatchDone { batch_id, result } => {
                 self.batch_done(now, batch_id, result, out)
             }
-            PrefillEvent::Abort { room, endpoint } => {
-                self.abort(room, endpoint, out);
+            PrefillEvent::Abort {
+                room,
+                endpoint,
+                generation,
+            } => {
+                self.abort(room, endpoint, generation, out);
                 Ok(())
             }
             PrefillEvent::LocalAbort { room } => {
@@ -463,15 +489,34 @@ impl PrefillManager {
         Ok(())
     }
 
-    fn abort(&mut self, room: Room, endpoint: Endpoint, out: &mut Vec<PrefillAction>) {
+    /// A decode's `ABORT`: the room fails (unless already terminal) and its ACK goes out once
+    /// nothing of the room is in flight — at once for an unknown or drained room. A 5-frame
+    /// `ABORT` (with `generation`) is answered with the 4-frame ACK echoing it, and marks the
+    /// decode's sessions in the room as taking a status reason frame (only sglang 0.5.23 sends
+    /// it).
+    fn abort(
+        &mut self,
+        room: Room,
+        endpoint: Endpoint,
+        generation: Option<u64>,
+        out: &mut Vec<PrefillAction>,
+    ) {
         let prefill_rank = self.rank;
-        if !self.rooms.contains_key(&room) {
+        let Some(rs) = self.rooms.get(&room) else {
             out.push(PrefillAction::AbortAck {
                 room,
                 endpoint,
                 prefill_rank,
+                generation,
             });
             return;
+        };
+        if generation.is_some() {
+            for info in rs.infos.iter().filter(|i| i.endpoint == endpoint) {
+                if let Some(s) = self.sessions.get_mut(&info.session) {
+                    s.status_reason = true;
+                }
+            }
         }
         let reason = RoomError::AbortedByDecode {
             endpoint: endpoint.clone(),
@@ -479,12 +524,17 @@ impl PrefillManager {
         self.fail(room, reason, false, out);
         if let Some(rs) = self.rooms.get_mut(&room) {
             if rs.inflight > 0 {
-                rs.pending_acks.push(endpoint);
+                // One ACK per decode endpoint, for its latest ABORT (as sglang keeps them).
+                match rs.pending_acks.iter_mut().find(|(e, _)| *e == endpoint) {
+                    Some(slot) => slot.1 = generation,
+                    None => rs.pending_acks.push((endpoint, generation)),
+                }
             } else {
                 out.push(PrefillAction::AbortAck {
                     room,
                     endpoint,
                     prefill_rank,
+                    generation,
                 });
             }
         }
@@ -541,6 +591,10 @@ impl PrefillManager {
                     status: KVPoll::Failed,
                     prefill_rank: self.rank,
                     reason: Some(reason.clone()),
+                    with_reason: self
+                        .sessions
+                        .get(&info.session)
+                        .is_some_and(|s| s.status_reason),
                 });
             }
         }
@@ -576,6 +630,7 @@ impl PrefillManager {
                 status: KVPoll::Success,
                 prefill_rank: self.rank,
                 reason: None,
+                with_reason: false,
             });
         }
         out.push(PrefillAction::Concluded {
@@ -595,11 +650,12 @@ impl PrefillManager {
         if rs.inflight > 0 {
             return;
         }
-        for endpoint in rs.pending_acks.drain(..) {
+        for (endpoint, generation) in rs.pending_acks.drain(..) {
             out.push(PrefillAction::AbortAck {
                 room,
                 endpoint,
                 prefill_rank: self.rank,
+                generation,
             });
         }
         if rs.status.is_terminal() && rs.sender.is_some() {

@@ -15,12 +15,20 @@ use crate::{Chunk, Room};
 pub(crate) struct Session {
     pub reg: DecodeRegistration,
     pub kv: KvLayout,
+    /// The decode takes a 4th failure-reason frame on status messages (sglang 0.5.23): from
+    /// its registration's frame 19, or learned from a 5-frame `ABORT` it sent.
+    pub status_reason: bool,
 }
 
 impl Session {
     pub fn new(reg: DecodeRegistration, local: &LocalMemory) -> Self {
         let kv = KvLayout::from_registration(&reg, local.kv.kind, None, local.kv.page_size);
-        Session { reg, kv }
+        let status_reason = reg.accepts_status_reason();
+        Session {
+            reg,
+            kv,
+            status_reason,
+        }
     }
 
     /// True when the decode holds no KV (only aux/state travel).

@@ -54,6 +54,16 @@ fn registration(n: u16, tp_size: u32) -> DecodeRegistration {
         dcp_size: 1,
         dcp_rank: 0,
         staging_slot_layer_ids: None,
+        kv_item_lens: None,
+    }
+}
+
+/// A registration as sglang 0.5.23 sends it: 20 frames, frame 19 the per-buffer item lengths.
+fn registration_0523(n: u16, tp_size: u32) -> DecodeRegistration {
+    DecodeRegistration {
+        kv_item_lens: Some(vec![2048, 2048]),
+        staging_slot_layer_ids: Some(Vec::new()),
+        ..registration(n, tp_size)
     }
 }
 
@@ -218,7 +228,7 @@ fn happy_path_two_chunks() {
 fn metadata_before_sender_and_fan_in() {
     let mut h = Harness::new(PrefillConfig::default());
     let r = room(9);
-    h.ev(PrefillEvent::Register(registration(2, 2)));
+    h.ev(PrefillEvent::Register(registration(2, 1)));
     h.ev(PrefillEvent::Register(registration(3, 2)));
     h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
     assert_eq!(h.mgr.poll(r), Some(KVPoll::Bootstrapping));
@@ -363,6 +373,7 @@ fn abort_ack_waits_for_drain() {
     let a = h.ev(PrefillEvent::Abort {
         room: r,
         endpoint: endpoint(2),
+        generation: None,
     });
     assert!(
         !a.iter()
@@ -377,7 +388,8 @@ fn abort_ack_waits_for_drain() {
         vec![PrefillAction::AbortAck {
             room: r,
             endpoint: endpoint(2),
-            prefill_rank: 0
+            prefill_rank: 0,
+            generation: None,
         }]
     );
     assert!(h.mgr.live_entries().is_empty());
@@ -385,8 +397,235 @@ fn abort_ack_waits_for_drain() {
     let a = h.ev(PrefillEvent::Abort {
         room: room(999),
         endpoint: endpoint(2),
+        generation: None,
     });
-    assert!(matches!(a.as_slice(), [PrefillAction::AbortAck { .. }]));
+    assert!(matches!(
+        a.as_slice(),
+        [PrefillAction::AbortAck {
+            generation: None,
+            ..
+        }]
+    ));
+}
+
+fn acks(actions: &[PrefillAction]) -> Vec<(Endpoint, Option<u64>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            PrefillAction::AbortAck {
+                endpoint,
+                generation,
+                ..
+            } => Some((endpoint.clone(), *generation)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// sglang 0.5.23's 5-frame ABORT: the ACK echoes the generation of the endpoint's latest ABORT
+/// and goes out only once the room's writes drained, once.
+#[test]
+fn generational_abort_is_acked_with_its_generation_after_drain() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(22);
+    h.ev(PrefillEvent::Register(registration_0523(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]),
+    });
+    let b = batches(&a);
+    assert_eq!(b.len(), 1);
+    for generation in [7, 9] {
+        let a = h.ev(PrefillEvent::Abort {
+            room: r,
+            endpoint: endpoint(2),
+            generation: Some(generation),
+        });
+        assert!(acks(&a).is_empty(), "no ACK while a batch is in flight");
+        assert!(statuses(&a).is_empty());
+    }
+    assert_eq!(h.mgr.live_entries().pending_acks, 1);
+    let a = h.ev(done(b[0].0));
+    assert_eq!(acks(&a), vec![(endpoint(2), Some(9))]);
+    assert!(h.mgr.live_entries().is_empty());
+    // A drained or unknown room is acked at once, with the generation.
+    let a = h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+        generation: Some(10),
+    });
+    assert_eq!(acks(&a), vec![(endpoint(2), Some(10))]);
+}
+
+/// Two decodes of one room abort it, one of each generation: each gets its own form.
+#[test]
+fn mixed_aborts_of_one_room_get_their_own_ack_forms() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(23);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.ev(PrefillEvent::Register(registration_0523(3, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![1]), 2)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]),
+    });
+    let b = batches(&a);
+    assert!(!b.is_empty());
+    h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+        generation: None,
+    });
+    h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(3),
+        generation: Some(4),
+    });
+    let mut got = Vec::new();
+    for (id, _) in b {
+        got.extend(acks(&h.ev(done(id))));
+    }
+    assert_eq!(got, vec![(endpoint(2), None), (endpoint(3), Some(4))]);
+}
+
+fn reason_frames(actions: &[PrefillAction]) -> Vec<(Endpoint, bool)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            PrefillAction::SendStatus {
+                endpoint,
+                with_reason,
+                ..
+            } => Some((endpoint.clone(), *with_reason)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The failure reason goes as a 4th status frame only to a decode whose registration had
+/// frame 19 (sglang 0.5.23); a sglang main decode gets 3 frames. Success is 3 frames for both.
+#[test]
+fn reason_frame_only_to_decodes_that_accept_it() {
+    let mut h = Harness::new(PrefillConfig::default());
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.ev(PrefillEvent::Register(registration_0523(3, 1)));
+    assert!(!h.mgr.accepts_status_reason(&session(2)));
+    assert!(h.mgr.accepts_status_reason(&session(3)));
+    let r = room(24);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![1]), 2)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
+    });
+    let b = batches(&a);
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: b[0].0,
+        result: Err("injected".into()),
+    });
+    assert_eq!(
+        reason_frames(&a),
+        vec![(endpoint(2), false), (endpoint(3), true)]
+    );
+    for x in &a {
+        if let PrefillAction::SendStatus { reason, .. } = x {
+            assert!(reason.as_deref().is_some_and(|r| r.contains("injected")));
+        }
+    }
+    let r = room(25);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
+    });
+    let mut a2 = Vec::new();
+    for (id, _) in batches(&a) {
+        a2.extend(h.ev(done(id)));
+    }
+    assert_eq!(statuses(&a2), vec![(endpoint(3), KVPoll::Success)]);
+    assert_eq!(reason_frames(&a2), vec![(endpoint(3), false)]);
+}
+
+/// A 5-frame ABORT shows a 0.5.23 decode even when its registration did not: its later
+/// failures carry the reason frame, until it registers again.
+#[test]
+fn generational_abort_teaches_the_reason_frame() {
+    let mut h = Harness::new(PrefillConfig::default());
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    let r = room(26);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    // A K-form ABORT teaches nothing.
+    h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+        generation: None,
+    });
+    assert!(!h.mgr.accepts_status_reason(&session(2)));
+    let r = room(27);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+        generation: Some(1),
+    });
+    assert!(h.mgr.accepts_status_reason(&session(2)));
+    let r = room(28);
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    h.now += Duration::from_secs(1);
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(3, 5).unwrap(), vec![1, 2]).last(),
+    });
+    assert_eq!(reason_frames(&a), vec![(endpoint(2), true)]);
+    // Re-registration starts over from what the registration shows.
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert!(!h.mgr.accepts_status_reason(&session(2)));
+}
+
+/// sglang 0.5.23 refuses a decode registration with DCP size 1 and a non-zero rank; kvx drops
+/// it (and any other DCP size) without a state change, with a typed error.
+#[test]
+fn dcp_mismatch_registration_is_refused() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let mut out = Vec::new();
+    for (size, rank, kind) in [(1, 1, "dcp_rank_mismatch"), (2, 0, "unsupported_dcp")] {
+        let reg = DecodeRegistration {
+            dcp_size: size,
+            dcp_rank: rank,
+            ..registration(2, 1)
+        };
+        let err = h
+            .mgr
+            .handle(h.now, PrefillEvent::Register(reg), &mut out)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            PrefillError::DcpMismatch {
+                session: session(2),
+                dcp_size: size,
+                dcp_rank: rank
+            }
+        );
+        assert_eq!(err.kind(), kind);
+        assert!(out.is_empty());
+        assert!(h.mgr.registration(&session(2)).is_none());
+    }
+    // The refused session stays unknown: its metadata fails the room.
+    let r = room(29);
+    let a = h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    // DCP 1 rank 0 is accepted.
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert!(h.mgr.registration(&session(2)).is_some());
 }
 
 #[test]
@@ -772,6 +1011,7 @@ impl Harness {
             Step::Abort(r) => PrefillEvent::Abort {
                 room: room(r),
                 endpoint: endpoint(2),
+                generation: (r % 2 == 0).then_some(r),
             },
             Step::LocalAbort(r) => PrefillEvent::LocalAbort { room: room(r) },
             Step::Fatal => PrefillEvent::Fatal {
@@ -805,6 +1045,17 @@ impl Harness {
                 && rs.sender.is_some()
                 && rs.pending_acks.is_empty();
             prop_assert!(!releasable, "room {} should have been released", room);
+        }
+        // An ABORT_ACK leaves only for a drained room, in the form its ABORT asked for.
+        for a in &self.out {
+            if let PrefillAction::AbortAck {
+                room, generation, ..
+            } = a
+            {
+                let drained = self.mgr.rooms.get(room).is_none_or(|rs| rs.inflight == 0);
+                prop_assert!(drained, "ABORT_ACK for {} with writes in flight", room);
+                prop_assert_eq!(*generation, (room.get() % 2 == 0).then_some(room.get()));
+            }
         }
         Ok(())
     }

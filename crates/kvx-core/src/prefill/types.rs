@@ -137,6 +137,9 @@ pub enum PrefillEvent {
         room: Room,
         /// Where the ABORT_ACK goes.
         endpoint: Endpoint,
+        /// The 5th frame of sglang 0.5.23's `ABORT` (deferred KV release): echoed in the
+        /// 4-frame `ABORT_ACK`. `None` for sglang main's 4-frame `ABORT`.
+        generation: Option<u64>,
     },
     /// The local scheduler aborted the request (`AbortReq`).
     LocalAbort {
@@ -222,8 +225,13 @@ pub enum PrefillAction {
         status: KVPoll,
         /// `prefill_unique_rank`.
         prefill_rank: u32,
-        /// The first failure reason (for logs or a 4-frame-capable peer).
+        /// The first failure reason (for logs, and the 4th frame when `with_reason`).
         reason: Option<String>,
+        /// Send `reason` as a 4th frame: set only for a Failed status towards a decode known
+        /// to accept one (sglang 0.5.23: its registration had frame 19, or it sent a 5-frame
+        /// `ABORT`). Never set towards a sglang main ("K") decode, whose receive thread dies on
+        /// anything but 3 frames.
+        with_reason: bool,
     },
     /// Send `ABORT_ACK` (the room's in-flight writes have drained).
     AbortAck {
@@ -231,8 +239,11 @@ pub enum PrefillAction {
         room: Room,
         /// The decode's inbox.
         endpoint: Endpoint,
-        /// `prefill_unique_rank` (for the 3-frame form).
+        /// `prefill_unique_rank` (frame 2).
         prefill_rank: u32,
+        /// The generation of the `ABORT` being acknowledged: `Some` ⇒ sglang 0.5.23's 4-frame
+        /// `[ABORT_ACK, room, rank, generation]`, `None` ⇒ sglang main's 3-frame form.
+        generation: Option<u64>,
     },
     /// The room reached a terminal state (its entries go once nothing is outstanding).
     Concluded {
@@ -377,6 +388,34 @@ pub enum PrefillError {
     /// A chunk after the room's last chunk.
     #[error("chunk for room {0} after its last chunk")]
     ChunkAfterLast(Room),
+    /// A registration whose decode context parallelism cannot pair with this prefill (DCP
+    /// size 1, rank 0): the same size with another rank (sglang 0.5.23 refuses it as
+    /// "PD peers must connect matching DCP ranks"), or another size (kvx has no DCP relayout).
+    #[error(
+        "registration of {session} refused: decode DCP size {dcp_size} rank {dcp_rank} does not match the prefill's DCP size 1 rank 0"
+    )]
+    DcpMismatch {
+        /// The registering session.
+        session: SessionId,
+        /// Its DCP size (frame 16).
+        dcp_size: u32,
+        /// Its DCP rank (frame 17).
+        dcp_rank: u32,
+    },
+}
+
+impl PrefillError {
+    /// A short, stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PrefillError::UnknownRoom(_) => "unknown_room",
+            PrefillError::UnknownBatch(_) => "unknown_batch",
+            PrefillError::DuplicateSender(_) => "duplicate_sender",
+            PrefillError::ChunkAfterLast(_) => "chunk_after_last",
+            PrefillError::DcpMismatch { dcp_size: 1, .. } => "dcp_rank_mismatch",
+            PrefillError::DcpMismatch { .. } => "unsupported_dcp",
+        }
+    }
 }
 
 /// Counts of live per-room entries (all zero once every room concluded and drained).

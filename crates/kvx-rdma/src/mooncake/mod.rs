@@ -7,8 +7,9 @@
 //! 24-byte request headers followed by payloads straight from registered memory; protocol v2
 //! targets acknowledge each write with a status frame, v1 targets get a trailing READ as a
 //! fence. Everything a peer sends is checked before it is used. Wire format and behaviour:
-//! `docs/mooncake-transport.md`; the layers: [`handshake`], [`descriptor`] and [`wire`] are sans
-//! I/O, `client` runs sessions, `server` runs the two listeners.
+//! `docs/mooncake-transport.md`. The layers: [`handshake`], [`descriptor`] and [`wire`] are sans
+//! I/O; `fetch` is the initiator's metadata exchange, `client` its sessions and `conn` their
+//! data connections; `server` is the target's handshake server and `data` its data server.
 //!
 //! ```
 //! use kvx_core::TransferOp;
@@ -37,7 +38,10 @@
 //! ```
 
 mod client;
+mod conn;
+mod data;
 pub mod descriptor;
+mod fetch;
 pub mod handshake;
 mod server;
 pub mod wire;
@@ -50,8 +54,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub use client::{MooncakeSession, fetch_descriptor, probe};
+pub use client::MooncakeSession;
 pub use descriptor::{MooncakeBuffer, MooncakeDescriptor, MooncakeDescriptorError};
+pub use fetch::{fetch_descriptor, probe};
 pub use server::ServeError;
 
 use crate::error::TransportError;
@@ -239,7 +244,7 @@ impl MooncakeTransport {
                 hs_stop,
             ),
             (
-                tokio::spawn(server::data_loop(data, ctx.clone(), data_stopped)),
+                tokio::spawn(data::data_loop(data, ctx.clone(), data_stopped)),
                 data_stop,
             ),
         ];
