@@ -317,10 +317,7 @@ fn status_example() {
         frames(&[ROOM, b"0", b"3"])
     );
     // Success has no reason: 3 frames even in the 4-frame-capable form, as sglang sends it.
-    assert_eq!(
-        TransferStatus::parse(&f).unwrap().encode_with_reason(),
-        f
-    );
+    assert_eq!(TransferStatus::parse(&f).unwrap().encode_with_reason(), f);
     // A reason past the codec's limit is cut at a character boundary, so it parses back.
     let long = TransferStatus {
         reason: Some("é".repeat(40_000)),
@@ -329,7 +326,12 @@ fn status_example() {
     let enc = long.encode_with_reason();
     assert_eq!(enc[3].len(), kvx_bootstrap::codec::MAX_REASON_LEN);
     assert_eq!(
-        TransferStatus::parse(&enc).unwrap().reason.unwrap().chars().count(),
+        TransferStatus::parse(&enc)
+            .unwrap()
+            .reason
+            .unwrap()
+            .chars()
+            .count(),
         kvx_bootstrap::codec::MAX_REASON_LEN / 2
     );
     // The pre-2025-06 two-frame form is refused.

@@ -243,7 +243,10 @@ async fn sglang_0523_registrations_are_kept_checked_and_served() {
         let url = format!("{base}/route");
         async move { call(reqwest::Method::PUT, url, Some(&body)).await }
     };
-    assert_eq!(put(put_0523(0, 5000, "early", "null", "null")).await.2, "OK");
+    assert_eq!(
+        put(put_0523(0, 5000, "early", "null", "null")).await.2,
+        "OK"
+    );
     let layout = r#"{"num_draft_tokens": 4, "compression_ratios": [2, 4]}"#;
     let text = "text/plain; charset=utf-8".to_string();
     assert_eq!(
@@ -265,8 +268,14 @@ async fn sglang_0523_registrations_are_kept_checked_and_served() {
     assert_eq!(server.state().lock().registered(), 1);
     // Not ready yet: the refused ranks were not counted.
     let sentinel = format!("{base}/{SENTINEL_Q}");
-    assert_eq!(call(reqwest::Method::GET, sentinel.clone(), None).await.0, 503);
-    assert_eq!(put(put_0523(1, 5001, "early", "null", "null")).await.2, "OK");
+    assert_eq!(
+        call(reqwest::Method::GET, sentinel.clone(), None).await.0,
+        503
+    );
+    assert_eq!(
+        put(put_0523(1, 5001, "early", "null", "null")).await.2,
+        "OK"
+    );
     let (s, ct, body) = call(reqwest::Method::GET, sentinel, None).await;
     assert_eq!((s, ct.as_str()), (200, "application/json; charset=utf-8"));
     // json.dumps(asdict(PrefillServerInfo)) with the null layouts popped: 17 keys.
@@ -337,7 +346,10 @@ fn sentinel_parsing_knows_0523_keys_only() {
     assert_eq!(info.prefill_http_port, Some(30000));
     let unknown = k.replace(r#""prefill_http_port": null"#, r#""surprise": 1"#);
     let err = serde_json::from_str::<PrefillServerInfo>(&unknown).unwrap_err();
-    assert!(err.to_string().contains("unknown field `surprise`"), "{err}");
+    assert!(
+        err.to_string().contains("unknown field `surprise`"),
+        "{err}"
+    );
     // Serialized back, a K-form answer keeps its 15 keys.
     let k_info: PrefillServerInfo = serde_json::from_str(k).unwrap();
     let v: serde_json::Value = serde_json::to_value(&k_info).unwrap();

@@ -519,25 +519,22 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
     let pt = info.attn_tp_size.max(1);
     let dt = cfg.tp_size.max(1);
     let r = cfg.tp_rank % dt;
-    let (ranks, required_dst_info_num, responses): (Vec<(u32, bool)>, u32, usize) = if cfg
-        .layout
-        .mla
-        && info.kv_cache_sharding()
-    {
-        // sglang 0.5.23's MLA KV sharding: every prefill rank holds some of the pages, so each
-        // decode rank hears from all of them (equal TP only, checked above).
-        ((0..pt).map(|t| (t, false)).collect(), dt, pt as usize)
-    } else if pt == dt {
-        (vec![(r, false)], 1, 1)
-    } else if dt > pt {
-        (vec![(r / (dt / pt), false)], dt / pt, 1)
-    } else {
-        let k = pt / dt;
-        let ranks = (r * k..(r + 1) * k)
-            .map(|t| (t, cfg.layout.mla && t != r * k))
-            .collect();
-        (ranks, 1, if cfg.layout.mla { 1 } else { k as usize })
-    };
+    let (ranks, required_dst_info_num, responses): (Vec<(u32, bool)>, u32, usize) =
+        if cfg.layout.mla && info.kv_cache_sharding() {
+            // sglang 0.5.23's MLA KV sharding: every prefill rank holds some of the pages, so each
+            // decode rank hears from all of them (equal TP only, checked above).
+            ((0..pt).map(|t| (t, false)).collect(), dt, pt as usize)
+        } else if pt == dt {
+            (vec![(r, false)], 1, 1)
+        } else if dt > pt {
+            (vec![(r / (dt / pt), false)], dt / pt, 1)
+        } else {
+            let k = pt / dt;
+            let ranks = (r * k..(r + 1) * k)
+                .map(|t| (t, cfg.layout.mla && t != r * k))
+                .collect();
+            (ranks, 1, if cfg.layout.mla { 1 } else { k as usize })
+        };
     let mut targets = Vec::new();
     for (t, dummy) in ranks {
         let q = RouteQuery {
@@ -585,9 +582,7 @@ fn check_0523_keys(
     }
     let policy = info.allocation_policy();
     if policy != "early" {
-        bail!(
-            "Disaggregation decode allocation policy mismatch: prefill={policy}, decode=early"
-        );
+        bail!("Disaggregation decode allocation policy mismatch: prefill={policy}, decode=early");
     }
     if info.kv_cache_sharding() {
         if info.attn_cp_size > 1 {

@@ -378,7 +378,12 @@ impl Shared {
 
     /// Fails an open room and sends status 0 to each target; `reason` goes as a 4th frame to
     /// the sessions known to take one (sglang 0.5.23), never to the others.
-    fn fail_room_with(&self, room: Room, targets: Vec<(SessionId, Endpoint)>, reason: &str) -> bool {
+    fn fail_room_with(
+        &self,
+        room: Room,
+        targets: Vec<(SessionId, Endpoint)>,
+        reason: &str,
+    ) -> bool {
         let live = lock(&self.table)
             .poll(room)
             .is_some_and(|p| !p.is_terminal());

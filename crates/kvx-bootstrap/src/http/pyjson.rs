@@ -150,7 +150,12 @@ fn push_float(out: &mut String, f: f64) {
             out.push('.');
             out.push_str(rest);
         }
-        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.unsigned_abs());
+        let _ = write!(
+            out,
+            "e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.unsigned_abs()
+        );
     }
 }
 

@@ -335,7 +335,10 @@ mod tests {
         let mut k = Registry::new();
         k.register_rank(&reg(1, 0, 5000)).unwrap();
         let t = k.topology().unwrap();
-        assert!(!t.has_0523_keys(), "a sglang main instance keeps K's 15 keys");
+        assert!(
+            !t.has_0523_keys(),
+            "a sglang main instance keeps K's 15 keys"
+        );
         let mut r = Registry::new();
         let mut first = reg_0523(2, 0, 5000);
         first.kv_layout = Some("nhd".into());
@@ -347,7 +350,11 @@ mod tests {
         r.register_rank(&second).unwrap();
         let t = r.topology().unwrap();
         assert_eq!(t.decode_allocation_policy.as_deref(), Some("early"));
-        assert_eq!(t.enable_kv_cache_sharding, Some(false), "first registration wins");
+        assert_eq!(
+            t.enable_kv_cache_sharding,
+            Some(false),
+            "first registration wins"
+        );
         assert_eq!(t.kv_layout.as_deref(), Some("nhd"), "first non-null wins");
         assert_eq!(t.dsv41_spec_layout, None);
         assert_eq!(t.prefill_http_port, Some(30000));
@@ -379,10 +386,7 @@ mod tests {
         assert_eq!(e.kind(), "allocation_policy");
         // The layout is checked first; a refused registration changes nothing.
         c.dsv41_spec_layout = None;
-        assert_eq!(
-            r.register_rank(&c),
-            Err(RegistrationConflict::DsparkLayout)
-        );
+        assert_eq!(r.register_rank(&c), Err(RegistrationConflict::DsparkLayout));
         assert_eq!(r.registered(), 2);
         let t = r.topology().unwrap();
         assert_eq!(t.dsv41_spec_layout, Some(layout));

@@ -190,7 +190,11 @@ pub fn topology_json(t: &PrefillServerInfo) -> String {
         ("required_dst_info_num", PyValue::Null),
         ("required_prefill_response_num", PyValue::Null),
     ];
-    pyjson::object(head.into_iter().chain(v0523.into_iter().flatten()).chain(tail))
+    pyjson::object(
+        head.into_iter()
+            .chain(v0523.into_iter().flatten())
+            .chain(tail),
+    )
 }
 
 async fn get_route(

@@ -151,10 +151,8 @@ pub fn status() -> impl Strategy<Value = TransferStatus> {
 
 /// A status with an optional, non-empty failure reason (the 4-frame form when set).
 pub fn status_with_reason() -> impl Strategy<Value = TransferStatus> {
-    (status(), proptest::option::of(".{1,40}")).prop_map(|(s, reason)| TransferStatus {
-        reason,
-        ..s
-    })
+    (status(), proptest::option::of(".{1,40}"))
+        .prop_map(|(s, reason)| TransferStatus { reason, ..s })
 }
 
 pub fn abort() -> impl Strategy<Value = Abort> {
