@@ -121,9 +121,11 @@ pub struct PrefillArgs {
     /// Restart a transfer worker that died instead of stopping the process (exit code 70).
     #[arg(long)]
     pub restart_workers: bool,
-    /// Data-plane backend.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
-    pub backend: String,
+    /// Data-plane backend: `auto` (per decode session: Mooncake TE's protocol for an sglang
+    /// decode, kvx's tcp for a kvx decode, decided from what the session's port answers),
+    /// `tcp` or `mooncake` to force one.
+    #[arg(long, default_value = "auto", value_parser = sending_backend)]
+    pub backend: crate::plane::Backend,
     /// Data-plane connections per decode session.
     #[arg(long, default_value_t = 2)]
     pub connections: usize,
@@ -151,6 +153,10 @@ pub struct DecodeArgs {
     /// Host this decode binds its ZMQ inbox and data plane on and advertises.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// Data-plane backend: `tcp` (kvx's protocol), or `mooncake` (a Mooncake-TE-compatible
+    /// target, so that an unmodified sglang prefill writes into this decode).
+    #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
+    pub backend: crate::plane::Backend,
     /// Requests (rooms) to run.
     #[arg(long, default_value_t = 32)]
     pub requests: usize,
@@ -268,7 +274,10 @@ pub struct DemoArgs {
     /// Write the decode's JSON summary here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
-    /// Data-plane backend (`local`: memcpy between the two sides of this process).
+    /// Data-plane backend: `tcp`, `mooncake` (the decodes are Mooncake-TE-compatible targets,
+    /// the prefills write with the Mooncake TE protocol), `auto` (the prefills decide per
+    /// session; the decodes serve kvx's tcp), `local` (memcpy between the two sides of this
+    /// process).
     #[arg(long, value_enum, default_value = "tcp")]
     pub backend: crate::plane::Backend,
     /// Decode attention-TP size (default: `--tp-size`); all prefill and decode ranks run in
@@ -301,9 +310,10 @@ pub struct SendArgs {
     /// Total bytes to send, in MiB.
     #[arg(long, default_value_t = 4096)]
     pub total_mib: u64,
-    /// Data-plane backend.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
-    pub backend: String,
+    /// Data-plane backend: `tcp` (a `kvx recv` peer), `mooncake` (a Mooncake TE target or
+    /// `kvx recv --backend mooncake`; `--to` is its session id), or `auto`.
+    #[arg(long, default_value = "tcp", value_parser = sending_backend)]
+    pub backend: crate::plane::Backend,
     /// Never draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -318,7 +328,33 @@ pub struct RecvArgs {
     /// Bytes of the receive region (writes land at `offset % region`).
     #[arg(long, default_value_t = 64 << 20)]
     pub region: u64,
-    /// Data-plane backend.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
-    pub backend: String,
+    /// Data-plane backend: `tcp`, or `mooncake` (a Mooncake-TE-compatible target on the host
+    /// of `--listen`, random ports; it prints its session id).
+    #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
+    pub backend: crate::plane::Backend,
+}
+
+/// Parses a sending side's `--backend` (`auto`, `tcp`, `mooncake`).
+fn sending_backend(s: &str) -> Result<crate::plane::Backend, String> {
+    use crate::plane::Backend;
+    match s {
+        "auto" => Ok(Backend::Auto),
+        "tcp" => Ok(Backend::Tcp),
+        "mooncake" => Ok(Backend::Mooncake),
+        _ => Err(format!(
+            "unknown backend {s:?} (expected auto, tcp or mooncake; local only with `kvx demo`)"
+        )),
+    }
+}
+
+/// Parses a receiving side's `--backend` (`tcp`, `mooncake`).
+fn receiving_backend(s: &str) -> Result<crate::plane::Backend, String> {
+    use crate::plane::Backend;
+    match s {
+        "tcp" => Ok(Backend::Tcp),
+        "mooncake" => Ok(Backend::Mooncake),
+        _ => Err(format!(
+            "unknown backend {s:?} (expected tcp or mooncake; local only with `kvx demo`)"
+        )),
+    }
 }

@@ -439,17 +439,24 @@ impl Peer {
             }
         }
         let ptrs = l.aux_ptrs(self.aux.base());
-        let data = ptrs[0] + row * l.aux_item_len;
-        let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
-        let ok = self
-            .aux
-            .read(data, l.aux_item_len)
-            .is_ok_and(|d| model::check_aux(d, room.get()))
-            && self
-                .aux
-                .read(slot, model::AUX_ROOM_LEN)
-                .is_ok_and(|d| d == room.get().to_le_bytes());
+        let lens = l.aux_item_lens();
+        let mut ok = true;
+        for (i, (&ptr, &len)) in ptrs.iter().zip(&lens).enumerate() {
+            let at = ptr + row * len;
+            ok &= if i == model::AUX_ROOM_INDEX {
+                // sglang's decode admits the request only when the slot holds the room.
+                self.aux.read(at, len).is_ok_and(|d| {
+                    d.split_first_chunk::<8>()
+                        .is_some_and(|(head, _)| *head == room.get().to_le_bytes())
+                })
+            } else {
+                self.aux
+                    .read(at, len)
+                    .is_ok_and(|d| model::check_aux(d, room.get(), i))
+            };
+        }
         // sglang zeroes the room slot of a used aux row.
+        let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
         let _ = self
             .aux
             .write_with(slot, model::AUX_ROOM_LEN, |s| s.fill(0));
@@ -457,7 +464,7 @@ impl Peer {
             tracing::error!(%room, row, "aux row differs from the pattern");
             return None;
         }
-        Some(bytes + l.aux_item_len + model::AUX_ROOM_LEN)
+        Some(bytes + l.aux_row_bytes())
     }
 }
 
@@ -612,7 +619,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     };
     let mut regions = vec![kv.clone(), aux.clone()];
     regions.extend(ring.clone());
-    let plane = DataPlane::server(cfg.backend, &format!("{}:0", cfg.host), &name, regions)
+    let plane = DataPlane::server(cfg.backend, &cfg.host, &name, regions)
         .await
         .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());

@@ -58,7 +58,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 chunk_pages: args.chunk_pages,
                 fragmentation: args.fragmentation,
                 restart_workers: false,
-                backend: "tcp".into(),
+                backend: args.backend,
                 connections: 2,
                 staging: args.staging.clone(),
                 staging_wait_timeout: 60.0,

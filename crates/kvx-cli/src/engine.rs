@@ -92,7 +92,7 @@ pub struct PrefillConfig {
     pub connections: usize,
     /// Tokens per KV page.
     pub page_size: u32,
-    /// Data-plane backend.
+    /// Data-plane backend (default `auto`: per decode session, Mooncake TE or kvx tcp).
     pub backend: crate::plane::Backend,
     /// Send through decodes' staging rings where they advertise one and the attention-TP sizes
     /// differ (sglang's `SGLANG_DISAGG_STAGING_BUFFER`); otherwise per-token head slices.
@@ -125,7 +125,7 @@ impl Default for PrefillConfig {
             connect_timeout: Duration::from_secs(10),
             connections: 2,
             page_size: 16,
-            backend: crate::plane::Backend::Tcp,
+            backend: crate::plane::Backend::Auto,
             staging: false,
             chunked_prefill_size: kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE,
             staging_wait_timeout: Duration::from_secs(60),

@@ -43,10 +43,17 @@ impl SyntheticModel {
                 });
             }
         }
-        let addr = self.aux.base() + row * l.aux_item_len;
-        let _ = self
-            .aux
-            .write_with(addr, l.aux_item_len, |s| model::fill_aux(s, room.get()));
+        // Every aux data buffer's row; the room buffer's row is the engine's (`FillRoomRow`).
+        let lens = l.aux_item_lens();
+        for (i, ptr) in l.aux_ptrs(self.aux.base()).into_iter().enumerate() {
+            if i == model::AUX_ROOM_INDEX {
+                continue;
+            }
+            let len = lens[i];
+            let _ = self
+                .aux
+                .write_with(ptr + row * len, len, |s| model::fill_aux(s, room.get(), i));
+        }
     }
 
     /// Runs until the engine's event stream ends.

@@ -3,7 +3,8 @@
 //! `recv` registers a region with a listening transport and serves writes into it; `send`
 //! learns the region from the session handshake, then posts batches of `--batch` writes of
 //! `--size` bytes over `--connections` connections (one completion per batch, two batches in
-//! flight) until `--total-mib` were written, and reports GB/s.
+//! flight) until `--total-mib` were written, and reports GB/s. With `--backend mooncake` either
+//! side speaks Mooncake TE's protocol, so each can be tested against a real Mooncake engine.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use kvx_core::TransferOp;
 
 use crate::config::{RecvArgs, SendArgs};
-use crate::plane::DataPlane;
+use crate::plane::{Backend, DataPlane};
 use crate::region::Region;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -26,9 +27,18 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 pub fn recv(args: RecvArgs) -> Result<i32> {
     let region = Arc::new(Region::new(args.region as usize));
     runtime()?.block_on(async {
-        let plane = DataPlane::tcp_server(&args.listen, 1, vec![region])
-            .await
-            .context("binding the data plane")?;
+        let plane = match args.backend {
+            Backend::Mooncake => {
+                // Mooncake TE picks its own ports: only the host of --listen is used.
+                let host = args
+                    .listen
+                    .rsplit_once(':')
+                    .map_or(args.listen.as_str(), |(h, _)| h);
+                DataPlane::mooncake_server(host.trim_matches(['[', ']']), 1, vec![region]).await
+            }
+            _ => DataPlane::tcp_server(&args.listen, 1, vec![region]).await,
+        }
+        .context("binding the data plane")?;
         eprintln!(
             "kvx recv: {} listening on {}",
             plane.transport().kind(),
@@ -64,7 +74,12 @@ pub fn send(args: SendArgs) -> Result<i32> {
         })
     };
     let (bytes, secs) = runtime()?.block_on(async {
-        let plane = DataPlane::tcp_client(args.connections, vec![src.clone()])?;
+        let plane = DataPlane::client(
+            args.backend,
+            "kvx-send",
+            args.connections,
+            vec![src.clone()],
+        )?;
         let session = plane
             .transport()
             .connect(&args.to)

@@ -72,7 +72,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         seed: a.seed.unwrap_or_else(rand::random),
         room_base: a.room_base,
         progress: !a.no_progress,
-        backend: kvx_cli::plane::Backend::Tcp,
+        backend: a.backend,
         staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
             ring_bytes: a.staging_ring_mib.max(1) << 20,
             chunked_prefill_size: a.staging.chunked_prefill_size,

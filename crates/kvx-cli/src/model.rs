@@ -3,8 +3,10 @@
 //!
 //! A preset gives the per-rank KV layout (buffers, bytes per page per buffer). The pattern is a
 //! pure function of (room, buffer, page-in-room, word), so a decode can check every byte it
-//! received without talking to the prefill. Aux rows start with the room (sglang's
-//! `bootstrap_room` slot) followed by pattern words.
+//! received without talking to the prefill. The aux pool is sglang 0.5.23's default metadata
+//! buffers ([`SGLANG_AUX_ROW_LENS`]): every data row carries the pattern of (room, aux buffer),
+//! and the last buffer's row carries the room (sglang's `bootstrap_room`, which a sglang decode's
+//! scheduler checks before it admits the request) followed by zeros.
 
 use clap::ValueEnum;
 
@@ -36,10 +38,8 @@ pub struct KvLayout {
     pub page_size: u64,
     /// Pages per buffer in the pool.
     pub pool_pages: u64,
-    /// Bytes per row of the aux data buffer (aux buffer 0; the room buffer, aux buffer 1, has
-    /// 8-byte rows holding sglang's `bootstrap_room`).
-    pub aux_item_len: u64,
-    /// Aux rows in the pool.
+    /// Aux rows in the pool (every aux buffer has this many rows of
+    /// [`SGLANG_AUX_ROW_LENS`] bytes).
     pub aux_rows: u64,
     /// True for MLA models (one latent buffer per layer).
     pub mla: bool,
@@ -78,7 +78,6 @@ impl ModelPreset {
             item_len: page_size * u64::from(heads) * head_dim * 2,
             page_size,
             pool_pages,
-            aux_item_len: 64,
             aux_rows: 1024,
             mla,
             total_kv_heads: total_heads,
@@ -95,19 +94,31 @@ impl KvLayout {
         self.num_buffers as u64 * self.pool_pages * self.item_len
     }
 
-    /// Bytes of the aux pool (data rows, then room rows).
+    /// Bytes of the aux pool (every aux buffer's rows, buffer after buffer).
     pub fn aux_bytes(&self) -> u64 {
-        self.aux_rows * (self.aux_item_len + AUX_ROOM_LEN)
+        self.aux_rows * SGLANG_AUX_ROW_LENS.iter().sum::<u64>()
     }
 
-    /// Aux buffer addresses given the aux pool base: data rows, then room rows.
+    /// Aux buffer addresses given the aux pool base (sglang's `aux_data_ptrs`).
     pub fn aux_ptrs(&self, base: u64) -> Vec<u64> {
-        vec![base, base + self.aux_rows * self.aux_item_len]
+        SGLANG_AUX_ROW_LENS
+            .iter()
+            .scan(base, |at, len| {
+                let ptr = *at;
+                *at += self.aux_rows * len;
+                Some(ptr)
+            })
+            .collect()
     }
 
-    /// Row length per aux buffer.
+    /// Row length per aux buffer (sglang's `aux_item_lens`).
     pub fn aux_item_lens(&self) -> Vec<u64> {
-        vec![self.aux_item_len, AUX_ROOM_LEN]
+        SGLANG_AUX_ROW_LENS.to_vec()
+    }
+
+    /// Bytes of one aux row across every aux buffer.
+    pub fn aux_row_bytes(&self) -> u64 {
+        SGLANG_AUX_ROW_LENS.iter().sum()
     }
 
     /// Bytes one page carries across all buffers.
@@ -173,10 +184,16 @@ impl KvLayout {
     }
 }
 
-/// Row length of the aux room buffer (index [`AUX_ROOM_INDEX`]).
-pub const AUX_ROOM_LEN: u64 = 8;
+/// Row bytes of sglang 0.5.23's default metadata buffers, in registration order: output ids,
+/// cached tokens, token logprob values and indices, top logprob values and indices, top-k
+/// probabilities and indices, hidden states, and last `bootstrap_room` (`u64 × 8`). A sglang
+/// prefill refuses a decode whose aux buffer count differs from its own.
+pub const SGLANG_AUX_ROW_LENS: [u64; 10] = [64, 64, 64, 64, 512, 512, 64, 128, 64, 64];
 /// Index of the aux buffer whose rows carry the room (sglang's `bootstrap_room`).
-pub const AUX_ROOM_INDEX: usize = 1;
+pub const AUX_ROOM_INDEX: usize = SGLANG_AUX_ROW_LENS.len() - 1;
+/// Row length of the aux room buffer (index [`AUX_ROOM_INDEX`]): the room as a little-endian
+/// `u64`, then zeros.
+pub const AUX_ROOM_LEN: u64 = SGLANG_AUX_ROW_LENS[AUX_ROOM_INDEX];
 
 /// splitmix64: a cheap, well-mixed 64-bit hash.
 fn mix(mut z: u64) -> u64 {
@@ -223,14 +240,20 @@ pub fn check_page(src: &[u8], room: u64, buffer: u32, page_in_room: u32) -> bool
     bad == 0 && rest == &last[..rest.len()]
 }
 
-/// Fills an aux data row with the room's pattern.
-pub fn fill_aux(dst: &mut [u8], room: u64) {
-    fill_page(dst, room, u32::MAX, 0);
+/// The pattern's buffer id of aux data buffer `index` (KV buffers count up from 0, aux
+/// buffers down from `u32::MAX`).
+fn aux_buffer_id(index: usize) -> u32 {
+    u32::MAX - index as u32
 }
 
-/// True when an aux data row holds the room's pattern.
-pub fn check_aux(src: &[u8], room: u64) -> bool {
-    check_page(src, room, u32::MAX, 0)
+/// Fills a row of aux data buffer `index` with the room's pattern.
+pub fn fill_aux(dst: &mut [u8], room: u64, index: usize) {
+    fill_page(dst, room, aux_buffer_id(index), 0);
+}
+
+/// True when a row of aux data buffer `index` holds the room's pattern.
+pub fn check_aux(src: &[u8], room: u64, index: usize) -> bool {
+    check_page(src, room, aux_buffer_id(index), 0)
 }
 
 #[cfg(test)]
@@ -282,8 +305,21 @@ mod tests {
             page[i] ^= 1;
         }
         let mut aux = vec![0u8; 64];
-        fill_aux(&mut aux, 99);
-        assert!(check_aux(&aux, 99));
-        assert!(!check_aux(&aux, 98));
+        fill_aux(&mut aux, 99, 3);
+        assert!(check_aux(&aux, 99, 3));
+        assert!(!check_aux(&aux, 98, 3));
+        assert!(!check_aux(&aux, 99, 4));
+    }
+
+    #[test]
+    fn aux_pool_is_sglangs_default() {
+        let l = ModelPreset::Tiny.layout(1, 0, 1, 16);
+        let ptrs = l.aux_ptrs(0x1000);
+        assert_eq!(ptrs.len(), 10);
+        assert_eq!(AUX_ROOM_INDEX, 9);
+        assert_eq!(ptrs[1] - ptrs[0], l.aux_rows * 64);
+        assert_eq!(ptrs[5] - ptrs[4], l.aux_rows * 512);
+        assert_eq!(ptrs[9] + l.aux_rows * AUX_ROOM_LEN, 0x1000 + l.aux_bytes());
+        assert_eq!(l.aux_item_lens()[7], 128);
     }
 }

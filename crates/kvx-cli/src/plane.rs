@@ -3,12 +3,16 @@
 //!
 //! A [`DataPlane`] owns `Arc`s of the regions it registered and deregisters them when dropped,
 //! before the regions can be freed. The decode's plane listens (its endpoint is the session id it
-//! sends); the prefill's is send-only.
+//! sends); the prefill's is send-only. A prefill's default plane is `auto`: per decode session it
+//! speaks Mooncake TE's protocol to an sglang decode and kvx's tcp protocol to a kvx decode.
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use kvx_rdma::{
-    LocalTransport, RegionKey, Session, TcpConfig, TcpTransport, Transport, TransportError,
+    AutoTransport, LocalTransport, MooncakeConfig, MooncakeTransport, RegionKey, Session,
+    TcpConfig, TcpTransport, Transport, TransportError,
 };
 
 use crate::region::Region;
@@ -16,7 +20,7 @@ use crate::region::Region;
 /// A transport with the regions registered on it.
 pub struct DataPlane {
     transport: Arc<dyn Transport>,
-    tcp: Option<Arc<TcpTransport>>,
+    sessions: SessionSource,
     keys: Vec<RegionKey>,
     _regions: Vec<Arc<Region>>,
 }
@@ -30,14 +34,51 @@ impl std::fmt::Debug for DataPlane {
     }
 }
 
+/// Where [`DataPlane::open_session`] gets sessions the caller owns alone.
+enum SessionSource {
+    /// The transport's shared, cached sessions.
+    Cached,
+    Tcp(Arc<TcpTransport>),
+    Mooncake(Arc<MooncakeTransport>),
+    Auto(Arc<AutoTransport>),
+}
+
 /// Which `kvx-rdma` backend a plane uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
+    /// Sending: per peer, Mooncake TE's protocol when the peer's port answers it (an sglang
+    /// decode), else kvx's tcp. Receiving: kvx's tcp.
+    Auto,
     /// kvx's framed TCP protocol (any two hosts).
     #[default]
     Tcp,
+    /// Mooncake Transfer Engine's P2P handshake and TCP transport (sglang's peers).
+    Mooncake,
     /// memcpy into the peer's memory (both sides in one process).
     Local,
+}
+
+impl Backend {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Tcp => "tcp",
+            Backend::Mooncake => "mooncake",
+            Backend::Local => "local",
+        }
+    }
+}
+
+/// How long the `auto` backend waits for a peer's answer to its first metadata request.
+pub const AUTO_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The mooncake backend's settings for `connections` connections per peer.
+pub fn mooncake_config(connections: usize) -> MooncakeConfig {
+    MooncakeConfig {
+        connections: connections.max(1),
+        ..MooncakeConfig::default()
+    }
 }
 
 /// The tcp backend's settings for `connections` connections per peer.
@@ -64,7 +105,7 @@ impl DataPlane {
         }
         Ok(DataPlane {
             transport,
-            tcp: None,
+            sessions: SessionSource::Cached,
             keys,
             _regions: regions,
         })
@@ -77,7 +118,46 @@ impl DataPlane {
     ) -> Result<DataPlane, TransportError> {
         let t = TcpTransport::client(tcp_config(connections));
         let mut plane = DataPlane::new(t.clone(), regions)?;
-        plane.tcp = Some(t);
+        plane.sessions = SessionSource::Tcp(t);
+        Ok(plane)
+    }
+
+    /// A send-only plane that picks the protocol per peer (a prefill rank's default).
+    pub fn auto_client(
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        let t = AutoTransport::client(
+            tcp_config(connections),
+            mooncake_config(connections),
+            AUTO_PROBE_TIMEOUT,
+        );
+        let mut plane = DataPlane::new(t.clone(), regions)?;
+        plane.sessions = SessionSource::Auto(t);
+        Ok(plane)
+    }
+
+    /// A send-only Mooncake TE initiator plane.
+    pub fn mooncake_client(
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        let t = MooncakeTransport::client(mooncake_config(connections));
+        let mut plane = DataPlane::new(t.clone(), regions)?;
+        plane.sessions = SessionSource::Mooncake(t);
+        Ok(plane)
+    }
+
+    /// A Mooncake-TE-compatible target on `host` (its endpoint is `host:rpc_port`, the session
+    /// id an sglang prefill dials).
+    pub async fn mooncake_server(
+        host: &str,
+        connections: usize,
+        regions: Vec<Arc<Region>>,
+    ) -> Result<DataPlane, TransportError> {
+        let t = MooncakeTransport::bind(host, mooncake_config(connections)).await?;
+        let mut plane = DataPlane::new(t.clone(), regions)?;
+        plane.sessions = SessionSource::Mooncake(t);
         Ok(plane)
     }
 
@@ -89,16 +169,19 @@ impl DataPlane {
     ) -> Result<DataPlane, TransportError> {
         let t = TcpTransport::bind(addr, tcp_config(connections)).await?;
         let mut plane = DataPlane::new(t.clone(), regions)?;
-        plane.tcp = Some(t);
+        plane.sessions = SessionSource::Tcp(t);
         Ok(plane)
     }
 
-    /// A session to `peer` owned by the caller alone (tcp: not cached by the transport), so
-    /// that dropping it closes its connections; other backends share their cached session.
+    /// A session to `peer` owned by the caller alone (tcp, mooncake, auto: not cached by the
+    /// transport), so that dropping it closes its connections; the local backend shares its
+    /// cached session.
     pub async fn open_session(&self, peer: &str) -> Result<Arc<dyn Session>, TransportError> {
-        match &self.tcp {
-            Some(t) => Ok(Arc::new(t.open_session(peer).await?)),
-            None => self.transport.connect(peer).await,
+        match &self.sessions {
+            SessionSource::Tcp(t) => Ok(Arc::new(t.open_session(peer).await?)),
+            SessionSource::Mooncake(t) => Ok(Arc::new(t.open_session(peer).await?)),
+            SessionSource::Auto(t) => t.open_session(peer).await,
+            SessionSource::Cached => self.transport.connect(peer).await,
         }
     }
 
@@ -110,20 +193,26 @@ impl DataPlane {
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
         match backend {
+            Backend::Auto => DataPlane::auto_client(connections, regions),
             Backend::Tcp => DataPlane::tcp_client(connections, regions),
+            Backend::Mooncake => DataPlane::mooncake_client(connections, regions),
             Backend::Local => DataPlane::new(LocalTransport::new(name)?, regions),
         }
     }
 
-    /// A receiving plane on `backend`: tcp listens on `addr`; local publishes `name`.
+    /// A receiving plane on `backend`: tcp (also for `auto`) listens on `host:0`; mooncake
+    /// binds a handshake and a data port on `host`; local publishes `name`.
     pub async fn server(
         backend: Backend,
-        addr: &str,
+        host: &str,
         name: &str,
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
         match backend {
-            Backend::Tcp => DataPlane::tcp_server(addr, 1, regions).await,
+            Backend::Auto | Backend::Tcp => {
+                DataPlane::tcp_server(&format!("{host}:0"), 1, regions).await
+            }
+            Backend::Mooncake => DataPlane::mooncake_server(host, 1, regions).await,
             Backend::Local => DataPlane::new(LocalTransport::new(name)?, regions),
         }
     }

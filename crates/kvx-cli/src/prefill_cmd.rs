@@ -139,7 +139,7 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let engine = start_rank(&args, crate::plane::Backend::Tcp, rt.handle().clone())?;
+    let engine = start_rank(&args, args.backend, rt.handle().clone())?;
     let _server = rt.block_on(async {
         let mut http_ports = (None, None);
         let server = if args.serve_bootstrap {

@@ -221,10 +221,10 @@ fn malformed_flood_is_counted_and_dropped() {
 fn aux_rows_over_zmq_are_verified() {
     let port = free_port();
     let _prefill = start_prefill(port, &["--aux-over-tcp"], &[]);
-    // The decode checks each room's aux data row and room slot: they came as AUX_DATA, one
-    // message per aux buffer, ahead of the status.
+    // The decode checks each room's aux rows and room slot: they came as AUX_DATA, one
+    // message per aux buffer (sglang's 10), ahead of the status.
     let m = six_rooms_verified(port);
-    assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 12.0, "{m}");
+    assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 60.0, "{m}");
 }
 
 #[test]

@@ -102,7 +102,7 @@ fn state_slots_travel_with_the_last_chunk() {
     let plane = rt
         .block_on(DataPlane::server(
             Backend::Tcp,
-            "127.0.0.1:0",
+            "127.0.0.1",
             "state-test",
             vec![d.kv.clone(), d.aux.clone(), d.state.clone()],
         ))

@@ -56,6 +56,7 @@
 //! # }
 //! ```
 
+pub mod auto;
 pub mod error;
 pub mod local;
 pub mod mem;
@@ -67,6 +68,7 @@ pub mod transport;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
+pub use auto::{AutoTransport, PeerKind};
 pub use error::{RejectReason, TransportError};
 pub use local::LocalTransport;
 pub use mooncake::{MooncakeConfig, MooncakeTransport};

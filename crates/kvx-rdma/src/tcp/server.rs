@@ -87,6 +87,12 @@ pub(crate) async fn accept_loop(
                     conns.spawn(async move {
                         match serve(stream, &ctx).await {
                             Ok(()) => tracing::debug!(%addr, "tcp transport connection closed"),
+                            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                                // A prefill on the `auto` backend asking whether this port is
+                                // Mooncake TE's: it is not, and the peer falls back to kvx's tcp.
+                                metrics::counter!("kvx_tcp_foreign_probes_total").increment(1);
+                                tracing::debug!(%addr, error = %e, "tcp transport: foreign probe closed");
+                            }
                             Err(e) => {
                                 metrics::counter!("kvx_tcp_server_conn_errors_total").increment(1);
                                 tracing::warn!(%addr, error = %e, "tcp transport connection failed");
@@ -109,9 +115,24 @@ fn proto_err(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }
 
+/// True when the first bytes of a connection are a Mooncake TE handshake frame (a
+/// little-endian length of at most 1 MiB, then a request type 0–3) rather than a kvx hello.
+fn looks_like_mooncake_request(first: &[u8; HELLO_LEN]) -> bool {
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&first[..8]);
+    let len = u64::from_le_bytes(len);
+    first[..4] != crate::tcp::wire::MAGIC && (2..=1 << 20).contains(&len) && first[8] <= 3
+}
+
 async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> io::Result<bool> {
     let mut fixed = [0u8; HELLO_LEN];
     read_full(stream, &mut fixed).await?;
+    if looks_like_mooncake_request(&fixed) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a Mooncake TE handshake request, not a kvx hello",
+        ));
+    }
     let hello = Hello::decode(&fixed).map_err(|e| proto_err(e.to_string()))?;
     let mut desc = vec![0u8; hello.desc_len as usize];
     read_full(stream, &mut desc).await?;
