@@ -334,3 +334,34 @@ async fn deregistered_region_is_refused_by_the_target() {
     s2.write_batch(vec![ok]).await.unwrap();
     assert_eq!(&a.0[64..64 + 4096], &src.0[..4096]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_and_advertised_names() {
+    let mut dst = Buf::zeroed(1 << 16);
+    let mut src = Buf::pattern(1 << 16, 8);
+    let client = MooncakeTransport::client(MooncakeConfig::default());
+    src.register(&*client);
+    for (host, advertise, expect) in [
+        ("::1", None, "[::1]:"),
+        ("[::1]", None, "[::1]:"),
+        ("127.0.0.1", Some("localhost"), "localhost:"),
+    ] {
+        dst.0.fill(0);
+        let cfg = MooncakeConfig {
+            advertise_host: advertise.map(str::to_owned),
+            ..MooncakeConfig::default()
+        };
+        let target = MooncakeTransport::bind(host, cfg).await.unwrap();
+        let key = dst.register(&*target);
+        let ep = target.endpoint();
+        assert!(ep.starts_with(expect), "{ep}");
+        let d = fetch_descriptor(&ep, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(d.name, ep);
+        assert_eq!(d.tcp_data_host.as_deref(), Some(advertise.unwrap_or("::1")));
+        let session = client.connect(&ep).await.unwrap();
+        let op = TransferOp::new(src.addr() + 1, dst.addr() + 2, 60_000);
+        session.write_batch(vec![op]).await.unwrap();
+        assert_eq!(&dst.0[2..60_002], &src.0[1..60_001]);
+        target.deregister(key).unwrap();
+    }
+}

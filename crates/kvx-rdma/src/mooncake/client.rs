@@ -180,9 +180,6 @@ impl Session for MooncakeSession {
             metrics::counter!("kvx_transport_batches_total", "backend" => "mooncake",
                 "result" => match &r { Ok(()) => "ok", Err(e) => e.label() })
             .increment(1);
-            if r.is_ok() {
-                metrics::counter!("kvx_mooncake_bytes_sent_total").increment(report.bytes);
-            }
             r.map(|()| report)
         })
     }

@@ -432,12 +432,14 @@ fn writer(c: Arc<Conn>, queue: SharedQueue, back: mpsc::WeakSender<Group>) {
         {
             parts.push(IoPart::Bytes(fence));
         }
+        let payload = g.bytes;
         if let Err(g) = c.push(g) {
             hand_back(g, &back);
             return;
         }
-        if let Err(e) = mem::writev_all(fd, &parts) {
-            c.fail_all(c.lost(e.to_string()));
+        match mem::writev_all(fd, &parts) {
+            Ok(_) => metrics::counter!("kvx_mooncake_bytes_sent_total").increment(payload),
+            Err(e) => c.fail_all(c.lost(e.to_string())),
         }
     }
     // Session dropped: close the socket so the reader ends.
