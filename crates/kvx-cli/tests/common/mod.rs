@@ -111,6 +111,11 @@ impl Proc {
         }
     }
 
+    /// What the process wrote to stdout so far.
+    pub fn stdout_now(&self) -> String {
+        String::from_utf8_lossy(&self.out.lock().unwrap()).into_owned()
+    }
+
     /// What the process wrote to stderr so far.
     pub fn stderr_now(&self) -> String {
         String::from_utf8_lossy(&self.err.lock().unwrap()).into_owned()
@@ -266,4 +271,135 @@ pub fn six_rooms_verified(port: u16) -> String {
     );
     assert_eq!(summary(&s)["verified"], 6);
     http_get(port, "/metrics").unwrap().1
+}
+
+// ---- the live sglang 0.5.23 harness (tests/py/sglang_live.py) --------------------------------
+
+/// The Python that runs sglang 0.5.23's own disaggregation classes: `$KVX_PYTHON`, else
+/// `<workspace>/.venv/bin/python3`. It must import `sglang.srt.disaggregation.mooncake.conn`
+/// (with `tests/py/stubs` for the GPU stack) and Mooncake TE; if it cannot, the test fails (it
+/// never skips) and says how to get one.
+pub fn sglang_python() -> std::path::PathBuf {
+    static CHECKED: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    CHECKED.get_or_init(check_sglang_python).clone()
+}
+
+fn check_sglang_python() -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let py = std::env::var_os("KVX_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join(".venv/bin/python3"));
+    let stubs = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/stubs");
+    let check = Command::new(&py)
+        .args([
+            "-W",
+            "ignore",
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import kvx_stubs; kvx_stubs.install(); \
+             import zmq, requests, numpy, mooncake.engine, sglang; \
+             import sglang.srt.disaggregation.mooncake.conn; \
+             assert sglang.__version__ == '0.5.23', sglang.__version__",
+        ])
+        .arg(&stubs)
+        .output();
+    match check {
+        Ok(o) if o.status.success() => py,
+        Ok(o) => panic!(
+            "{} cannot run sglang 0.5.23's Mooncake connector: {}\n\
+             run `cargo xtask setup` (installs libibverbs1 and the venv: Mooncake TE \
+             0.3.13.post1, sglang==0.5.23 --no-deps and its import chain), or set KVX_PYTHON",
+            py.display(),
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .rev()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+        Err(e) => panic!(
+            "no Python at {} ({e}); run `cargo xtask setup` or set KVX_PYTHON",
+            py.display()
+        ),
+    }
+}
+
+/// Starts `tests/py/sglang_live.py <mode> <args>` (sglang's own classes; one JSON line per
+/// event on stdout, logs on stderr).
+pub fn sglang_live(mode: &str, args: &[String]) -> Proc {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/sglang_live.py");
+    Proc::spawn(
+        Command::new(sglang_python())
+            .arg(script)
+            .arg(mode)
+            .args(args)
+            .env("PYTHONUNBUFFERED", "1")
+            .env("SGLANG_LIVE_LOG", "INFO")
+            .env_remove("SGLANG_HOST_IP")
+            .env_remove("MC_FORCE_TCP"),
+    )
+}
+
+/// The JSON objects among `text`'s lines.
+pub fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(serde_json::Value::is_object)
+        .collect()
+}
+
+/// The harness's final summary (the last JSON line with a `pass` key), or `Null`.
+pub fn harness_summary(out: &Output) -> serde_json::Value {
+    json_lines(&String::from_utf8_lossy(&out.stdout))
+        .into_iter()
+        .rev()
+        .find(|v| v.get("pass").is_some())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Waits until a harness process printed its `{"ready": true}` line.
+pub fn wait_harness_ready(p: &Proc, guard: Duration, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        if json_lines(&p.stdout_now())
+            .iter()
+            .any(|v| v["ready"] == serde_json::Value::Bool(true))
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < guard,
+            "hang guard: {what} never became ready; stderr:\n{}",
+            tail(&p.stderr_now(), 40)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until the bootstrap server on `port` answers the sentinel route with 200 (a prefill
+/// rank registered).
+pub fn wait_sentinel(port: u16, guard: Duration) {
+    wait_until(
+        guard,
+        "a prefill rank registered with the bootstrap server",
+        || {
+            http_get(
+                port,
+                "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+            )
+            .is_some_and(|(s, _)| s == 200)
+        },
+    );
+}
+
+/// The last `n` lines of `text`, without the Mooncake engine's glog noise.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            !(l.starts_with('I')
+                && l.get(1..5)
+                    .is_some_and(|d| d.bytes().all(|b| b.is_ascii_digit())))
+        })
+        .collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }

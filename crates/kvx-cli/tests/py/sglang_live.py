@@ -86,7 +86,11 @@ def parse_args(argv):
     p.add_argument("--serve-bootstrap", action="store_true", help="prefill: also run sglang's bootstrap server")
     # behaviour
     p.add_argument("--abort-rooms", default="", help="decode: comma-separated rooms to ABORT right after send_metadata")
+    p.add_argument("--abort-on", choices=["metadata", "first-write"], default="metadata",
+                   help="decode: abort right after send_metadata, or once the room's first bytes landed (mid-transfer)")
     p.add_argument("--abort-after-ms", type=float, default=0.0, help="decode: delay between send_metadata and abort()")
+    p.add_argument("--bad-page-rooms", default="",
+                   help="decode: rooms whose last page index lies outside the registered pool (a decode bug)")
     p.add_argument("--hold-rooms", default="", help="prefill: rooms never sent (the decode times out and aborts)")
     p.add_argument("--expect-failed", default="", help="rooms expected to end Failed (aborted/held); not counted as failures")
     p.add_argument("--deferred-release", type=int, choices=[0, 1], default=None,
@@ -428,7 +432,8 @@ def run_decode(args, sg: Sglang):
     deadline = time.time() + args.deadline
     rooms = room_list(args)
     abort_set = set(csv_ints(args.abort_rooms))
-    expect_failed = set(csv_ints(args.expect_failed)) | abort_set
+    bad_page_set = set(csv_ints(args.bad_page_rooms))
+    expect_failed = set(csv_ints(args.expect_failed)) | abort_set | bad_page_set
     alloc = PageAllocator(args.pool_pages, args.fragmentation, rng)
     free_rows = list(range(args.aux_rows))
     num_pages = -(-args.tokens // lay.page_size)
@@ -451,6 +456,7 @@ def run_decode(args, sg: Sglang):
         "bytes_verified": 0,
         "failure_reasons": {},
         "aborted": 0,
+        "aborted_mid_transfer": 0,
         "abort_acked": 0,
         "abort_ack_generation_matched": 0,
         "late_writes": 0,
@@ -472,6 +478,19 @@ def run_decode(args, sg: Sglang):
     active = {}  # room -> state dict
     aborted = {}  # room -> (receiver, pages, row, generation, snapshot, acked_at)
     t0 = time.time()
+
+    def do_abort(room, st, mid_transfer):
+        st["recv"].abort()
+        summary["aborted"] += 1
+        if mid_transfer:
+            summary["aborted_mid_transfer"] += 1
+        aborted[room] = {
+            "recv": st["recv"], "pages": st["pages"], "row": st["row"], "t0": st["t0"],
+            "generation": st["recv"]._abort_generation, "acked_at": None, "snap": None,
+            "aborted_at": time.time(),
+        }
+        result[room].update({"abort_generation": st["recv"]._abort_generation, "aborted_mid_transfer": mid_transfer})
+        del active[room]
 
     def finish(room, st, outcome, reason=None):
         result[room].update({"outcome": outcome, "reason": reason, "ms": round(1000 * (time.time() - st["t0"]), 1)})
@@ -498,20 +517,28 @@ def run_decode(args, sg: Sglang):
             status = recv.poll()
             if status == WAITING and not st["sent"]:
                 # decode.py _send_kv_metadata: page indices, aux (metadata buffer) index
-                recv.send_metadata(st["pages"], st["row"], None, decode_prefix_len=0)
+                pages = st["pages"]
+                if room in bad_page_set:
+                    pages = pages.copy()
+                    pages[-1] = args.pool_pages + 1000
+                recv.send_metadata(pages, st["row"], None, decode_prefix_len=0)
                 st["sent"] = True
                 progressed = True
-                if room in abort_set:
+                if room in abort_set and args.abort_on == "metadata":
                     if args.abort_after_ms:
                         time.sleep(args.abort_after_ms / 1000.0)
-                    recv.abort()
-                    summary["aborted"] += 1
-                    aborted[room] = {
-                        "recv": recv, "pages": st["pages"], "row": st["row"], "t0": st["t0"],
-                        "generation": recv._abort_generation, "acked_at": None, "snap": None,
-                    }
-                    result[room]["abort_generation"] = recv._abort_generation
-                    del active[room]
+                    do_abort(room, st, mid_transfer=None)
+                continue
+            if room in abort_set and st["sent"] and args.abort_on == "first-write":
+                # abort once the prefill's first bytes landed and before it reported Success:
+                # the prefill is still writing the room
+                first = st["pages"][:1]
+                if status == SUCCESS or status == FAILED:
+                    do_abort(room, st, mid_transfer=False)
+                    progressed = True
+                elif any(pools.kv[b][first].any() for b in range(lay.num_buffers)):
+                    do_abort(room, st, mid_transfer=True)
+                    progressed = True
                 continue
             if status == SUCCESS:
                 # _apply_metadata_gate: Success counts only once bootstrap_room[row][0] != 0
@@ -557,6 +584,7 @@ def run_decode(args, sg: Sglang):
                     ab["acked_at"] = time.time()
                     ab["snap"] = pools.snapshot(ab["pages"])
                     result[room]["abort_ack"] = "generation matched"
+                    result[room]["ack_ms"] = round(1000 * (ab["acked_at"] - ab["aborted_at"]), 1)
                 elif not mgr.enable_deferred_decode_kv_release and time.time() - ab["t0"] > 1.0:
                     ab["acked_at"] = time.time()
                     ab["snap"] = pools.snapshot(ab["pages"])
@@ -599,6 +627,9 @@ def run_decode(args, sg: Sglang):
                 summary["unexpected_success"] += 1
             else:
                 summary["expected_failed"] += 1
+                reason = r.get("reason") or outcome
+                ef = summary.setdefault("expected_failure_reasons", {})
+                ef[reason] = ef.get(reason, 0) + 1
             continue
         if outcome == "ok":
             summary["ok"] += 1
