@@ -391,9 +391,7 @@ impl Shared {
             return false;
         }
         for (session, endpoint) in targets {
-            let with_reason = lock(&self.table).accepts_status_reason(&session);
-            let reason = with_reason.then_some(reason);
-            self.send_status_with(room, endpoint, KVPoll::Failed, reason);
+            self.send_failed(room, &session, endpoint, reason);
         }
         true
     }
@@ -408,9 +406,18 @@ impl Shared {
         let _ = lock(&self.notices).send(notice);
     }
 
-    /// Queues a 3-frame status message for the notifier.
-    pub(crate) fn send_status(&self, room: Room, endpoint: Endpoint, status: KVPoll) {
-        self.send_status_with(room, endpoint, status, None);
+    /// Queues status 0 for `session`'s decode at `endpoint`, with `reason` as a 4th frame when
+    /// that decode is known to take one (sglang 0.5.23), as 3 frames otherwise.
+    pub(crate) fn send_failed(
+        &self,
+        room: Room,
+        session: &SessionId,
+        endpoint: Endpoint,
+        reason: &str,
+    ) {
+        let with_reason = lock(&self.table).accepts_status_reason(session);
+        let reason = with_reason.then_some(reason);
+        self.send_status_with(room, endpoint, KVPoll::Failed, reason);
     }
 
     /// Queues a status message for the notifier: 3 frames, or 4 with `reason` (only for a

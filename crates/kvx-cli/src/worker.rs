@@ -180,7 +180,7 @@ fn worker_loop(
                     .map(|r| r.endpoint.clone());
                 let _ = shared.handle(PrefillEvent::LocalAbort { room });
                 if let Some(endpoint) = endpoint {
-                    shared.send_status(room, endpoint, KVPoll::Failed);
+                    shared.send_failed(room, &session, endpoint, &reason);
                 }
                 complete(shared, work, Ok(()), false);
             }
