@@ -711,3 +711,67 @@ fn kvx_prefill_failure_reason_reaches_sglang_decode() {
     );
     assert_eq!(s["pass"], true, "{ctx}");
 }
+
+/// Rooms a kvx prefill never serves (each larger than its whole pool): a 0.5.23 decode whose
+/// waiting timeout fires sends its own generation ABORT (`_check_waiting_timeout`), and the kvx
+/// prefill must acknowledge every one with the matching generation although the room is long
+/// gone on its side. (A room the prefill reports Failed with a reason needs no ABORT.)
+#[test]
+fn sglang_decode_timeout_abort_of_rooms_kvx_never_serves_is_acked() {
+    let _g = serial();
+    let port = free_port();
+    let small = Shape {
+        pool_pages: 8,
+        ..TINY
+    };
+    let all: Vec<u64> = (9100..9100 + ROOMS).collect();
+    let pf = kvx_prefill(port, small, true, &[]);
+    let out = sglang_decode(
+        port,
+        TINY,
+        9100,
+        &strs(&[
+            "--waiting-timeout",
+            "3",
+            "--deferred-release",
+            "1",
+            "--expect-failed",
+            &csv(&all),
+        ]),
+    );
+    let s = harness_summary(&out);
+    let ctx = context(
+        &s,
+        &[
+            ("sglang decode", stderr_of(&out)),
+            ("kvx prefill", pf.stderr_now()),
+        ],
+    );
+    assert_eq!(s["expected_failed"], ROOMS, "{ctx}");
+    let timeouts = s["timeout_aborts"].as_u64().unwrap_or(0);
+    let told = s["results"]
+        .as_array()
+        .map(|r| {
+            r.iter()
+                .filter(|x| x["abort_generation"].is_null())
+                .filter(|x| {
+                    x["reason"]
+                        .as_str()
+                        .is_some_and(|r| !r.contains("it might be dead") && !r.contains("deadline"))
+                })
+                .count() as u64
+        })
+        .unwrap_or(0);
+    assert_eq!(
+        timeouts + told,
+        ROOMS,
+        "every room must end by the decode's ABORT or by a prefill status with its reason\n{ctx}"
+    );
+    assert_eq!(
+        s["abort_ack_generation_matched"], timeouts,
+        "an ABORT of a room the kvx prefill no longer knows got no generation-matched ACK\n{ctx}"
+    );
+    assert_eq!(s["abort_acked"], timeouts, "{ctx}");
+    assert_eq!(s["late_writes"], 0, "{ctx}");
+    assert_eq!(s["pass"], true, "{ctx}");
+}

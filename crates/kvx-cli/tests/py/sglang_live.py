@@ -457,6 +457,7 @@ def run_decode(args, sg: Sglang):
         "failure_reasons": {},
         "aborted": 0,
         "aborted_mid_transfer": 0,
+        "timeout_aborts": 0,
         "abort_acked": 0,
         "abort_ack_generation_matched": 0,
         "late_writes": 0,
@@ -569,6 +570,19 @@ def run_decode(args, sg: Sglang):
                 with mgr.failure_lock:
                     reason = mgr.failure_records.get(room)
                 finish(room, st, "failed", reason or "Failed (no reason recorded)")
+                if recv.abort_notified and recv._abort_generation is not None:
+                    # the decode itself sent ABORT (waiting timeout): like sglang's deferred
+                    # release, hold the pages until the generation-matched ACK
+                    summary["timeout_aborts"] += 1
+                    result[room]["abort_generation"] = recv._abort_generation
+                    aborted[room] = {
+                        "recv": recv, "pages": st["pages"], "row": st["row"], "t0": st["t0"],
+                        "generation": recv._abort_generation, "acked_at": None, "snap": None,
+                        "aborted_at": time.time(), "keep_outcome": True,
+                    }
+                    del active[room]
+                    progressed = True
+                    continue
                 recv.clear()
                 alloc.release(st["pages"])
                 free_rows.append(st["row"])
@@ -585,11 +599,13 @@ def run_decode(args, sg: Sglang):
                     ab["snap"] = pools.snapshot(ab["pages"])
                     result[room]["abort_ack"] = "generation matched"
                     result[room]["ack_ms"] = round(1000 * (ab["acked_at"] - ab["aborted_at"]), 1)
-                elif not mgr.enable_deferred_decode_kv_release and time.time() - ab["t0"] > 1.0:
+                elif not mgr.enable_deferred_decode_kv_release and time.time() - ab["aborted_at"] > 1.0:
                     ab["acked_at"] = time.time()
                     ab["snap"] = pools.snapshot(ab["pages"])
-                elif time.time() - ab["t0"] > args.abort_ack_timeout:
-                    result[room].update({"outcome": "aborted", "reason": "no generation-matched ABORT_ACK"})
+                elif time.time() - ab["aborted_at"] > args.abort_ack_timeout:
+                    result[room]["abort_ack"] = "none (timed out)"
+                    if not ab.get("keep_outcome"):
+                        result[room].update({"outcome": "aborted", "reason": "no generation-matched ABORT_ACK"})
                     mgr.clear_deferred_abort_state(room)
                     ab["recv"].clear()
                     del aborted[room]
@@ -597,7 +613,9 @@ def run_decode(args, sg: Sglang):
                 continue
             if time.time() - ab["acked_at"] >= args.late_write_ms / 1000.0:
                 late = pools.changed_since(ab["snap"], ab["pages"])
-                result[room].update({"outcome": "aborted", "late_write": late})
+                result[room]["late_write"] = late
+                if not ab.get("keep_outcome"):
+                    result[room]["outcome"] = "aborted"
                 if late:
                     summary["late_writes"] += 1
                 if result[room].get("abort_ack") == "generation matched":
@@ -616,8 +634,10 @@ def run_decode(args, sg: Sglang):
         result[room].update({"outcome": "failed", "reason": "never started (deadline)"})
     for room, st in active.items():
         result[room].update({"outcome": "failed", "reason": f"deadline in {POLL_NAMES.get(st['recv'].poll())}"})
-    for room in aborted:
-        result[room].update({"outcome": "aborted", "reason": "deadline while waiting for the ABORT_ACK"})
+    for room, ab in aborted.items():
+        result[room]["abort_ack"] = "none (deadline)"
+        if not ab.get("keep_outcome"):
+            result[room].update({"outcome": "aborted", "reason": "deadline while waiting for the ABORT_ACK"})
 
     for room in rooms:
         r = result[room]
@@ -645,8 +665,9 @@ def run_decode(args, sg: Sglang):
         summary["status_frames"] = sorted({s["frames"] for s in obs.statuses})
         reasons = sorted({s["parsed"][3] for s in obs.statuses if s["parsed"] and len(s["parsed"]) > 3 and s["parsed"][3] != "None"})
         summary["status_reasons"] = reasons
-    for room in abort_set:
-        gen = result.get(room, {}).get("abort_generation")
+    armed = [r for r in rooms if result[r].get("abort_generation") is not None]
+    for room in armed:
+        gen = result[room].get("abort_generation")
         if gen is not None and any(a[1:2] == [str(room)] and a[3:4] == [str(gen)] for a in summary["abort_acks_seen"]):
             summary["abort_ack_generation_matched"] += 1
     summary["stray_pages"] = pools.stray_pages(alloc.never_used)
@@ -654,7 +675,7 @@ def run_decode(args, sg: Sglang):
     summary["results"] = [result[r] for r in rooms]
     aborts_ok = all(
         result[r].get("abort_ack") == "generation matched" and not result[r].get("late_write")
-        for r in abort_set
+        for r in armed
     ) if mgr.enable_deferred_decode_kv_release else True
     ok = (
         summary["ok"] == len(rooms) - len(expect_failed & set(rooms))
