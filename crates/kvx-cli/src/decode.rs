@@ -13,7 +13,11 @@
 //! land in them any more: an ABORTed room's once every prefill rank it was sent to acknowledged
 //! (each sends `ABORT_ACK` only after its writes drained; sglang's deferred KV release), after
 //! checking that they stay unchanged for a moment (a write after the last ACK is counted as a
-//! late write), or after the release timeout; other failed rooms' after a grace. With staging ([`DecodeConfig::staging`]) it also
+//! late write), or after the release timeout; other failed rooms' after a grace. Towards a
+//! sglang 0.5.23 prefill (its sentinel carries that release's keys) every `ABORT` carries a
+//! generation, which that prefill's `ABORT_ACK` must echo; the registration goes out in 0.5.23's
+//! 20-frame form, which tells a kvx prefill to send failure reasons as a 4th status frame.
+//! With staging ([`DecodeConfig::staging`]) it also
 //! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
 //! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
 
