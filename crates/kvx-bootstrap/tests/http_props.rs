@@ -6,8 +6,12 @@
 
 use std::sync::OnceLock;
 
+use kvx_bootstrap::http::pyjson::PyJson;
+use kvx_bootstrap::http::registry::RegistrationConflict;
+use kvx_bootstrap::http::server::topology_json;
 use kvx_bootstrap::http::{
-    BootstrapServer, RankRegistration, Registry, RouteAnswer, RouteQuery, ServerConfig,
+    BootstrapServer, PrefillServerInfo, RankRegistration, Registry, RouteAnswer, RouteQuery,
+    ServerConfig,
 };
 use proptest::prelude::*;
 
@@ -67,8 +71,94 @@ fn json_ish() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
+/// A `PUT /route` body of sglang 0.5.23's shape with an arbitrary JSON text as its DSpark layout.
+fn put_0523_with(layout: &str, policy: &str) -> Vec<u8> {
+    format!(
+        r#"{{"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": 16, "kv_cache_dtype": "auto", "kv_layout": null, "dsv41_spec_layout": {layout}, "enable_kv_cache_sharding": false, "decode_allocation_policy": "{policy}"}}"#
+    )
+    .into_bytes()
+}
+
+fn rank_with(policy: Option<&str>, layout: Option<u8>, v0523: bool) -> RankRegistration {
+    RankRegistration {
+        attn_tp_size: 1,
+        attn_tp_rank: 0,
+        attn_cp_size: 1,
+        attn_cp_rank: 0,
+        attn_dp_size: 1,
+        attn_dp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        system_dp_size: 1,
+        system_dp_rank: 0,
+        rank_ip: "10.0.0.1".into(),
+        rank_port: 1,
+        page_size: Some(16),
+        kv_cache_dtype: None,
+        load_balance_method: None,
+        enable_dsa_cache_layer_split: None,
+        prefill_http_port: None,
+        kv_layout: None,
+        dsv41_spec_layout: layout
+            .map(|n| PyJson::Object(vec![("n".into(), PyJson::Int(n.into()))])),
+        enable_kv_cache_sharding: v0523.then_some(false),
+        decode_allocation_policy: policy.map(str::to_owned),
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// sglang 0.5.23's keys with any JSON-ish layout text: never a 5xx, and a registration
+    /// refused for disagreeing is a 400 (never counted).
+    #[test]
+    fn arbitrary_0523_bodies_never_5xx(layout in "[{}\\[\\]\":,0-9a-z_ .-]{0,40}", policy in "[a-z_]{0,12}") {
+        let s = status(reqwest::Method::PUT, "/route", put_0523_with(&layout, &policy));
+        prop_assert!(s == 200 || s == 400, "status {s}");
+        prop_assert_eq!(status(reqwest::Method::GET, "/health", vec![]), 200);
+    }
+
+    /// Any sequence of sglang main and 0.5.23 registrations: a rank is refused exactly when its
+    /// layout or policy differs from the first accepted rank's, refused ranks are not counted,
+    /// and the sentinel shows 0.5.23's keys exactly when an accepted rank had them — rendered
+    /// as JSON that parses back to the same answer.
+    #[test]
+    fn registry_checks_0523_ranks_like_sglang(
+        regs in proptest::collection::vec(
+            (proptest::option::of(prop::sample::select(vec!["early", "prefill_complete"])),
+             proptest::option::of(0u8..2), any::<bool>()),
+            1..10,
+        )
+    ) {
+        let mut r = Registry::new();
+        let mut first: Option<(String, Option<u8>)> = None;
+        let mut accepted = 0u64;
+        let mut any_0523 = false;
+        for (policy, layout, v0523) in &regs {
+            let reg = rank_with(*policy, *layout, *v0523 || policy.is_some());
+            let got = r.register_rank(&reg);
+            let policy = policy.unwrap_or("early").to_string();
+            let want = match &first {
+                None => Ok(()),
+                Some((_, l)) if l != layout => Err(RegistrationConflict::DsparkLayout),
+                Some((p, _)) if *p != policy => Err(RegistrationConflict::AllocationPolicy),
+                Some(_) => Ok(()),
+            };
+            prop_assert_eq!(&got, &want);
+            if got.is_ok() {
+                accepted += 1;
+                any_0523 |= reg.has_0523_keys();
+                first.get_or_insert((policy, *layout));
+            }
+        }
+        prop_assert_eq!(r.registered(), accepted);
+        let RouteAnswer::Topology(t) = r.route(RouteQuery::SENTINEL) else {
+            return Err(TestCaseError::fail("one accepted rank makes a TP1 instance ready"));
+        };
+        prop_assert_eq!(t.has_0523_keys(), any_0523);
+        let back: PrefillServerInfo = serde_json::from_str(&topology_json(&t)).unwrap();
+        prop_assert_eq!(&back, t.as_ref());
+    }
 
     #[test]
     fn arbitrary_bodies_never_5xx(body in json_ish(), which in 0..3usize) {
