@@ -309,12 +309,7 @@ fn check_sglang_python() -> std::path::PathBuf {
              run `cargo xtask setup` (installs libibverbs1 and the venv: Mooncake TE \
              0.3.13.post1, sglang==0.5.23 --no-deps and its import chain), or set KVX_PYTHON",
             py.display(),
-            String::from_utf8_lossy(&o.stderr)
-                .lines()
-                .rev()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" | ")
+            tail(&String::from_utf8_lossy(&o.stderr), 3).replace('\n', " | ")
         ),
         Err(e) => panic!(
             "no Python at {} ({e}); run `cargo xtask setup` or set KVX_PYTHON",
