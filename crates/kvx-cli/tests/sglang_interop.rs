@@ -14,7 +14,8 @@
 //!   ABORT acknowledged by a 0.5.23 prefill.
 //!
 //! Needs the venv of `cargo xtask setup` (or `$KVX_PYTHON`); without it every test fails.
-//! The tests run one at a time (each starts two or three processes on a 2-core machine).
+//! The tests run one at a time, also under nextest (each starts two or three processes on a
+//! 2-core machine).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -23,7 +24,6 @@ mod common;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use common::{
@@ -33,10 +33,25 @@ use common::{
 use kvx_cli::model::{self, ModelPreset};
 use serde_json::Value;
 
-static SERIAL: Mutex<()> = Mutex::new(());
+/// One of these tests at a time, across threads (`cargo test`) and processes (`cargo nextest`):
+/// holding a listener on a fixed loopback port (below the ephemeral range, outside Mooncake's
+/// 15000-17000), which the OS frees even when a test process dies.
+struct Serial(#[allow(dead_code)] std::net::TcpListener);
 
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+const SERIAL_PORT: u16 = 29517;
+
+fn serial() -> Serial {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", SERIAL_PORT)) {
+            return Serial(l);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1800),
+            "hang guard: port {SERIAL_PORT} (the sglang_interop lock) stayed taken"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Hang guard of one process (a run takes seconds; Python start-up alone is ~7 s here).
