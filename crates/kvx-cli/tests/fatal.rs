@@ -60,7 +60,11 @@ fn fatal_fault_fails_every_open_room_and_exits_70() {
     // with the dead thread's message as its reason frame, which a kvx decode (20-frame
     // registration, like sglang 0.5.23's) is sent.
     let reasons = sum["failure_reasons"].as_object().unwrap();
-    assert_eq!(reasons.get(&want).and_then(|v| v.as_u64()), Some(4), "{sum}");
+    assert_eq!(
+        reasons.get(&want).and_then(|v| v.as_u64()),
+        Some(4),
+        "{sum}"
+    );
 }
 
 #[test]

@@ -576,7 +576,11 @@ mod tests {
         // a prefill of sglang main.
         assert_eq!(
             gens,
-            vec![vec![Some(1), Some(1)], vec![None, None], vec![Some(2), Some(2)]]
+            vec![
+                vec![Some(1), Some(1)],
+                vec![None, None],
+                vec![Some(2), Some(2)]
+            ]
         );
     }
 

@@ -164,7 +164,10 @@ pub fn every_parser<F: AsRef<[u8]>>(frames: &[F]) {
             Ok(enc) => {
                 // The length and payload frames come back byte for byte; the ASCII ints are
                 // canonical only once encoded (the parser takes leading zeros, `-0`).
-                assert!(frames_eq(&frames[4..], &enc[4..]), "aux payload is canonical");
+                assert!(
+                    frames_eq(&frames[4..], &enc[4..]),
+                    "aux payload is canonical"
+                );
                 let back = AuxData::parse(&enc);
                 assert_eq!(back.as_ref(), Ok(&a));
                 assert_eq!(back.map(|b| b.encode()), Ok(Ok(enc.clone())));
