@@ -33,9 +33,11 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
     let mem = prefill_memory(&layout);
     // One queue and one connection per session: the second room's batch waits behind the first.
+    // kvx's tcp backend, so that each session open is one connect (`auto` probes first).
     let cfg = PrefillConfig {
         queues: 1,
         connections: 1,
+        backend: kvx_cli::plane::Backend::Tcp,
         total_kv_heads: layout.total_kv_heads,
         ..PrefillConfig::default()
     };
