@@ -387,7 +387,11 @@ impl Shared {
         let live = lock(&self.table)
             .poll(room)
             .is_some_and(|p| !p.is_terminal());
-        if !live || self.handle(PrefillEvent::LocalAbort { room }).is_err() {
+        let event = PrefillEvent::SenderFailed {
+            room,
+            reason: reason.to_owned(),
+        };
+        if !live || self.handle(event).is_err() {
             return false;
         }
         for (session, endpoint) in targets {
@@ -742,9 +746,11 @@ impl PrefillEngine {
         self.shared.handle(PrefillEvent::Chunk { room, chunk })
     }
 
-    /// Fails a room from the sender side (its decodes get status 0).
-    pub fn fail_room(&self, room: Room) {
-        let _ = self.shared.handle(PrefillEvent::LocalAbort { room });
+    /// Fails an open room from the sender side: every decode that receives its KV gets status 0
+    /// (and `reason` as the 4th frame where the decode takes one). False when the room was not
+    /// open.
+    pub fn fail_room(&self, room: Room, reason: &str) -> bool {
+        self.shared.fail_room(room, reason)
     }
 
     /// The room's status, `None` when unknown (or already released).

@@ -76,7 +76,10 @@ impl SyntheticModel {
                 if n >= self.layout.pool_pages as usize {
                     waiting.pop_front();
                     tracing::warn!(%room, pages = n, "room larger than the whole pool");
-                    engine.fail_room(room);
+                    engine.fail_room(
+                        room,
+                        &format!("room of {n} pages is larger than the prefill's pool"),
+                    );
                     continue;
                 }
                 let Some(row) = rows.last().copied() else {

@@ -173,15 +173,9 @@ fn worker_loop(
                 shared.fail_session_rooms(&session, &reason);
             }
             Outcome::RoomFailed(reason) => {
-                // One room's problem: fail it, tell its decode, keep the session usable.
-                tracing::warn!(%room, %reason, "room failed");
-                let endpoint = lock(&shared.table)
-                    .registration(&session)
-                    .map(|r| r.endpoint.clone());
-                let _ = shared.handle(PrefillEvent::LocalAbort { room });
-                if let Some(endpoint) = endpoint {
-                    shared.send_failed(room, &session, endpoint, &reason);
-                }
+                // One room's problem: fail it, tell every decode rank of the room (not only
+                // this session's: the others would wait for their timeout), keep the session.
+                shared.fail_room(room, &reason);
                 complete(shared, work, Ok(()), false);
             }
         }

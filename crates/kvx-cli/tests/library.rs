@@ -94,3 +94,61 @@ fn embedded_sender_serves_a_decode() {
     engine.shutdown();
     drop(server);
 }
+
+#[test]
+fn a_room_the_embedder_fails_reaches_its_decode_with_the_reason() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, 256);
+    let mem = prefill_memory(&layout);
+    let (server, port) = common::bootstrap_server(&rt);
+    let cfg = PrefillConfig {
+        bootstrap_port: port,
+        total_kv_heads: layout.total_kv_heads,
+        ..PrefillConfig::default()
+    };
+    let engine = PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).unwrap();
+    common::register_tiny_rank(&rt, port, 256, engine.endpoint().port);
+    let rooms: Vec<Room> = (2000..2004).map(|r| Room::new(r).unwrap()).collect();
+    for &r in &rooms {
+        engine.open_room(r).unwrap();
+    }
+    // The decode would wait 30 s for a room nobody told it about; the test ends well before.
+    let dcfg = DecodeConfig {
+        requests: rooms.len(),
+        prompt_tokens: (100, 100),
+        concurrency: rooms.len(),
+        waiting_timeout: Duration::from_secs(30),
+        seed: 7,
+        room_base: Some(2000),
+        ..DecodeConfig::new("127.0.0.1", port, layout.clone())
+    };
+    let t0 = Instant::now();
+    let decode = rt.spawn(decode::run(dcfg));
+    let mut pending = rooms.clone();
+    while !pending.is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "hang guard");
+        pending.retain(|&room| {
+            if engine.poll(room) != Some(KVPoll::WaitingForInput) {
+                return true;
+            }
+            assert!(engine.fail_room(room, "the embedder gave up on this request"));
+            // Failed, and released at once (nothing of it was in flight).
+            assert!(matches!(engine.poll(room), Some(KVPoll::Failed) | None));
+            false
+        });
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let summary = rt.block_on(decode).unwrap().unwrap();
+    assert_eq!(summary.failed, rooms.len(), "{summary:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the decode learnt of the failures only from its timeout: {summary:?}"
+    );
+    let reasons = format!("{:?}", summary.failure_reasons);
+    assert!(
+        reasons.contains("the embedder gave up on this request"),
+        "{reasons}"
+    );
+    engine.shutdown();
+    drop(server);
+}

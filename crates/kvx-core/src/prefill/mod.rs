@@ -230,6 +230,14 @@ impl PrefillManager {
                 self.try_release(room, out);
                 Ok(())
             }
+            PrefillEvent::SenderFailed { room, reason } => {
+                if !self.rooms.contains_key(&room) {
+                    return Err(PrefillError::UnknownRoom(room));
+                }
+                self.fail(room, RoomError::FailedBySender { reason }, false, out);
+                self.try_release(room, out);
+                Ok(())
+            }
             PrefillEvent::Tick => {
                 self.tick(now, out);
                 Ok(())

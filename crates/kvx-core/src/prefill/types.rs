@@ -146,6 +146,15 @@ pub enum PrefillEvent {
         /// The room.
         room: Room,
     },
+    /// The sender failed the room for a reason of its own (a staging failure, a room larger
+    /// than its pool). Like [`PrefillEvent::LocalAbort`] the manager sends nothing: the driver
+    /// tells the room's decodes, with `reason`.
+    SenderFailed {
+        /// The room.
+        room: Room,
+        /// Why (recorded as the room's failure reason).
+        reason: String,
+    },
     /// Time passed (bootstrap timeouts, failed-session expiry).
     Tick,
     /// The engine hit a fatal error (a worker died, the transport is poisoned): every open room
@@ -349,6 +358,12 @@ pub enum RoomError {
     /// The local scheduler aborted the room.
     #[error("Aborted by AbortReq.")]
     AbortedLocally,
+    /// The sender failed the room (its reason).
+    #[error("{reason}")]
+    FailedBySender {
+        /// Why.
+        reason: String,
+    },
     /// A chunk reaches past the page count the sender was initialised with.
     #[error("Chunk slice {start}..{end} of {room} exceeds the sender's {num_pages} pages")]
     ChunkPastEnd {
