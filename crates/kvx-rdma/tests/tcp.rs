@@ -6,7 +6,8 @@
 use std::io::{Read, Write};
 use std::net::TcpStream as StdStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use kvx_core::TransferOp;
 use kvx_rdma::tcp::wire::{self, Ack, ClientFrame, Entry, HEADER_LEN, HELLO_LEN, Hello};
@@ -392,6 +393,19 @@ const FAKE_BASE: u64 = 1 << 30;
 /// A fake peer that handshakes (advertising one region of `region_len` bytes at [`FAKE_BASE`])
 /// and then runs `then` on the socket.
 fn fake_peer(region_len: u64, then: impl FnOnce(StdStream) + Send + Clone + 'static) -> String {
+    fake_peer_on(
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        region_len,
+        then,
+    )
+}
+
+/// [`fake_peer`] on a given listener.
+fn fake_peer_on(
+    l: std::net::TcpListener,
+    region_len: u64,
+    then: impl FnOnce(StdStream) + Send + Clone + 'static,
+) -> String {
     let region = SegmentDescriptor {
         endpoint: String::new(),
         regions: vec![kvx_rdma::RegionDesc {
@@ -400,7 +414,6 @@ fn fake_peer(region_len: u64, then: impl FnOnce(StdStream) + Send + Clone + 'sta
             key: kvx_rdma::RegionKey(5),
         }],
     };
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = l.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
         for s in l.incoming() {
@@ -430,11 +443,25 @@ fn fake_peer(region_len: u64, then: impl FnOnce(StdStream) + Send + Clone + 'sta
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_fails_its_batch_only() {
-    // The dying peer reads 1 MiB, then closes (as a killed process's kernel would).
-    let dying = fake_peer(1 << 30, |mut s| {
+    // The dying peer reads 1 MiB on one connection, then dies: like a killed process's
+    // kernel, it closes every connection at once.
+    let all: Arc<std::sync::Mutex<(bool, Vec<StdStream>)>> = Arc::default();
+    let dying = fake_peer(1 << 30, move |mut s| {
+        {
+            let mut g = all.lock().unwrap();
+            if g.0 {
+                return;
+            }
+            g.1.push(s.try_clone().unwrap());
+        }
         let mut sink = vec![0u8; 1 << 20];
-        let _ = s.read_exact(&mut sink);
-        drop(s);
+        if s.read_exact(&mut sink).is_ok() {
+            let mut g = all.lock().unwrap();
+            g.0 = true;
+            for c in &g.1 {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
     });
     let mut dst = Buf::zeroed(8 << 20);
     let healthy = TcpTransport::bind("127.0.0.1:0", small_cfg())
@@ -549,4 +576,258 @@ async fn server_shutdown_mid_batch_fails_promptly_and_reconnect_is_refused() {
         client.open_session(&ep).await.map(|_| ()),
         Err(TransportError::PeerUnreachable { .. })
     ));
+}
+
+/// 4 KiB pages of `buf` whose first byte is not zero; safe to call while a peer may still write.
+fn touched_pages(buf: &Buf) -> usize {
+    (0..buf.0.len())
+        .step_by(4096)
+        // SAFETY: one byte inside the buffer; a peer writing it concurrently is what the caller
+        // looks for (a torn read is harmless).
+        .filter(|&i| unsafe { std::ptr::read_volatile(buf.0.as_ptr().add(i)) } != 0)
+        .count()
+}
+
+/// A copy of `buf`, taken while a peer may still write (see [`touched_pages`]).
+fn snapshot(buf: &Buf) -> Vec<u8> {
+    let mut out = vec![0u8; buf.0.len()];
+    // SAFETY: both ranges are live and do not overlap; a concurrent write only tears the copy.
+    unsafe { std::ptr::copy_nonoverlapping(buf.0.as_ptr(), out.as_mut_ptr(), out.len()) };
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_window_cancels_the_rest_of_its_batch_before_it_resolves() {
+    // The receiver deregisters B after the sender's handshake: the batch's first window (into
+    // B) is rejected while its other windows (into A) are queued or in flight on the other
+    // connections. Once the batch answers Err, nothing of it may still land in A.
+    const MIB: usize = 1 << 20;
+    const WINDOWS: usize = 96;
+    let mut a = Buf::zeroed(WINDOWS * MIB);
+    let mut b = Buf::zeroed(MIB);
+    let mut c = Buf::zeroed(8 * MIB);
+    let server = TcpTransport::bind("127.0.0.1:0", TcpConfig::default())
+        .await
+        .unwrap();
+    a.register(&*server);
+    let b_key = b.register(&*server);
+    c.register(&*server);
+    let cfg = TcpConfig {
+        connections: 4,
+        slice_bytes: MIB,
+        window_bytes: MIB as u64,
+        queue_depth: 8,
+        ..TcpConfig::default()
+    };
+    let mut src = Buf::zeroed((WINDOWS + 1) * MIB);
+    src.0.fill(0xa5);
+    let client = TcpTransport::client(cfg);
+    src.register(&*client);
+    let session = client.connect(&server.endpoint()).await.unwrap();
+    assert_eq!(session.remote().regions.len(), 3);
+    server.deregister(b_key).unwrap();
+
+    let mut bad = vec![TransferOp::new(src.addr(), b.addr(), MIB as u64)];
+    bad.extend((0..WINDOWS).map(|i| {
+        TransferOp::new(
+            src.addr() + ((i + 1) * MIB) as u64,
+            a.addr() + (i * MIB) as u64,
+            MIB as u64,
+        )
+    }));
+    // Another batch on the same session at the same time is not affected.
+    let good = tokio::spawn(session.write_batch(vec![TransferOp::new(
+        src.addr(),
+        c.addr(),
+        8 * MIB as u64,
+    )]));
+    let r = tokio::time::timeout(Duration::from_secs(20), session.write_batch(bad))
+        .await
+        .expect("hang guard");
+    let (pages, image) = (touched_pages(&a), snapshot(&a));
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::RemoteRejected {
+                reason: RejectReason::BadKey,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        pages < a.0.len() / 4096,
+        "the rest of the failed batch must be cancelled, not sent ({pages} pages written)"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        touched_pages(&a),
+        pages,
+        "windows of the failed batch landed after it resolved"
+    );
+    assert!(
+        a.0 == image,
+        "the destination changed after the batch resolved"
+    );
+    assert!(b.0.iter().all(|&x| x == 0));
+
+    assert_eq!(good.await.unwrap().unwrap().bytes, 8 * MIB as u64);
+    assert!(c.0.iter().all(|&x| x == 0xa5));
+    // A rejected write fails its batch, not the connections: the session still works.
+    assert!(session.is_alive());
+    let last = a.addr() + ((WINDOWS - 1) * MIB) as u64;
+    session
+        .write_batch(vec![TransferOp::new(src.addr(), last, 4096)])
+        .await
+        .unwrap();
+    assert!(
+        a.0[(WINDOWS - 1) * MIB..][..4096]
+            .iter()
+            .all(|&x| x == 0xa5)
+    );
+}
+
+/// A fake peer ([`fake_peer`], region of 1 GiB) with a small receive buffer that reads nothing
+/// until `go` is set, then reads (and counts in `received`) whatever comes, never acknowledging.
+fn stalled_peer(go: Arc<AtomicBool>, received: Arc<AtomicU64>) -> String {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_recv_buffer_size(64 << 10).unwrap();
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    sock.bind(&any.into()).unwrap();
+    sock.listen(16).unwrap();
+    fake_peer_on(sock.into(), 1 << 30, move |mut s| {
+        while !go.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut sink = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = s.read(&mut sink) {
+            received.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    })
+}
+
+/// Waits until `n` has not changed for 300 ms (at most 10 s) and returns it.
+async fn settled(n: &AtomicU64) -> u64 {
+    let mut last = n.load(Ordering::Relaxed);
+    for _ in 0..33 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = n.load(Ordering::Relaxed);
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    panic!("the peer kept receiving for 10 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_batch_future_cancels_its_queued_windows() {
+    // The peer reads nothing at first, so each connection's writer blocks inside one window
+    // (small socket buffers) and the session queue fills up behind them. The batch's future is
+    // then dropped: only the two windows already handed to a socket may reach the peer.
+    const W: u64 = 4 << 20;
+    let (go, received) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let peer = stalled_peer(go.clone(), received.clone());
+    let mut src = Buf::pattern(W as usize, 0x11);
+    let cfg = TcpConfig {
+        connections: 2,
+        slice_bytes: W as usize,
+        window_bytes: W,
+        queue_depth: 4,
+        socket_buffer: Some(64 << 10),
+        ack_timeout: Duration::from_secs(30),
+        ..small_cfg()
+    };
+    let client = TcpTransport::client(cfg);
+    src.register(&*client);
+    let session = client.connect(&peer).await.unwrap();
+    let ops: Vec<_> = (0..32)
+        .map(|i| TransferOp::new(src.addr(), FAKE_BASE + i * W, W))
+        .collect();
+    let r = tokio::time::timeout(Duration::from_millis(500), session.write_batch(ops)).await;
+    assert!(
+        r.is_err(),
+        "the stalled peer cannot have acknowledged the batch"
+    );
+    go.store(true, Ordering::Release);
+    let got = settled(&received).await;
+    // Per window: one vectored-write header, one entry, the payload, one fence.
+    let per_window = W + 32 + 24 + 32;
+    assert!(
+        got >= W,
+        "the windows on the wire are completed ({got} bytes)"
+    );
+    assert!(
+        got <= 2 * per_window,
+        "queued windows of a dropped batch were sent: {got} bytes, {:.1} windows",
+        got as f64 / per_window as f64
+    );
+    assert!(session.is_alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_connection_fails_its_batch_only_once_the_other_windows_are_settled() {
+    // The peer's first connection dies after 64 KiB (once the others carry a window); the
+    // others read everything and never acknowledge. The batch fails with the lost connection, but may answer only once its
+    // windows on the other connections are settled (here: those connections time out), and
+    // nothing more of it is sent after the failure.
+    let (idx, received) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicU64::new(0)));
+    let (idx2, received2) = (idx.clone(), received.clone());
+    let peer = fake_peer(1 << 30, move |mut s| {
+        let mut sink = vec![0u8; 1 << 16];
+        if idx2.fetch_add(1, Ordering::Relaxed) == 0 {
+            // Dies once another connection carries a window (which it never acknowledges).
+            let _ = s.read_exact(&mut sink);
+            let t = Instant::now();
+            while received2.load(Ordering::Relaxed) == 0 && t.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return;
+        }
+        while let Ok(n @ 1..) = s.read(&mut sink) {
+            received2.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    });
+    const W: u64 = 1 << 20;
+    let ack_timeout = Duration::from_millis(1500);
+    let cfg = TcpConfig {
+        connections: 3,
+        slice_bytes: W as usize,
+        window_bytes: W,
+        queue_depth: 4,
+        socket_buffer: Some(64 << 10),
+        ack_timeout,
+        ..small_cfg()
+    };
+    let mut src = Buf::pattern(W as usize, 0x22);
+    let client = TcpTransport::client(cfg);
+    src.register(&*client);
+    let session = client.connect(&peer).await.unwrap();
+    let ops: Vec<_> = (0..512)
+        .map(|i| TransferOp::new(src.addr(), FAKE_BASE + i * W, W))
+        .collect();
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(20), session.write_batch(ops))
+        .await
+        .expect("hang guard");
+    let took = t0.elapsed();
+    assert!(matches!(r, Err(TransportError::PeerLost { .. })), "{r:?}");
+    assert!(
+        took >= ack_timeout / 2,
+        "answered after {took:?}, while windows on live connections were unsettled"
+    );
+    let at_answer = received.load(Ordering::Relaxed);
+    let got = settled(&received).await;
+    assert_eq!(
+        got, at_answer,
+        "bytes of the failed batch arrived after it resolved"
+    );
+    assert!(
+        got < 512 * W / 2,
+        "the rest of the failed batch must be cancelled ({got} bytes sent)"
+    );
+    assert!(!session.is_alive());
 }

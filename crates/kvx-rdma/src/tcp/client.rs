@@ -7,10 +7,17 @@
 //! window when it is ready, so faster connections carry more. A writer sends a window as one
 //! vectored stream — vectored-write header and entries, payloads straight from registered
 //! memory, …, fence — and the connection's reader matches the peer's acknowledgements to windows
-//! in order. A batch completes when all its windows are acknowledged, or fails on the first
-//! rejection or connection loss. A connection with an unacknowledged window older than
-//! `ack_timeout` is declared dead (silent peer); a dead connection fails the windows it carries
-//! and stops taking new ones, and only that.
+//! in order. A window finishes exactly once: acknowledged, rejected (an acknowledgement with a
+//! reject status), failed with its connection (only after the socket was shut down), or dropped
+//! unsent. The first rejection or failure fails the batch, and a failed batch's windows are
+//! cancelled instead of sent: no more are queued, and a writer drops a window of a failed batch
+//! when it takes it (an atomic load per window, again just before it goes on the wire). The
+//! batch's future resolves only once every window finished, so when it returns nothing of the
+//! batch can still reach the peer; a dropped future fails its batch the same way. (A failed
+//! batch may so answer late: after the windows queued ahead of its own were taken, or after
+//! `ack_timeout` when a connection carrying one of its windows falls silent.) A connection with
+//! an unacknowledged window older than `ack_timeout` is declared dead (silent peer); a dead
+//! connection fails the windows it carries and stops taking new ones, and only that.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -35,25 +42,69 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// One batch's completion state, shared by its windows.
 struct BatchState {
-    windows_left: AtomicUsize,
-    done: Mutex<Option<oneshot::Sender<Result<(), TransportError>>>>,
+    /// Windows not finished yet.
+    left: AtomicUsize,
+    /// Set on the first failure: the batch's windows not yet sent are cancelled.
+    failed: AtomicBool,
+    /// The first failure.
+    error: Mutex<Option<TransportError>>,
+    /// Fired when the last window finished.
+    done: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl BatchState {
-    fn finish_window(&self, r: Result<(), TransportError>) {
-        match r {
-            Ok(()) => {
-                if self.windows_left.fetch_sub(1, Ordering::AcqRel) == 1
-                    && let Some(tx) = lock(&self.done).take()
-                {
-                    let _ = tx.send(Ok(()));
-                }
-            }
-            Err(e) => {
-                if let Some(tx) = lock(&self.done).take() {
-                    let _ = tx.send(Err(e));
-                }
-            }
+    fn fail(&self, e: TransportError) {
+        lock(&self.error).get_or_insert(e);
+        self.failed.store(true, Ordering::Release);
+    }
+
+    fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    fn finish_one(&self) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1
+            && let Some(tx) = lock(&self.done).take()
+        {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A window's share of its batch. Finishes exactly once: explicitly (acknowledged, rejected,
+/// failed with its connection) or, dropped unfinished, as never sent.
+struct Ticket {
+    batch: Arc<BatchState>,
+    finished: bool,
+}
+
+impl Ticket {
+    fn finish(&mut self, r: Result<(), TransportError>) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        if let Err(e) = r {
+            self.batch.fail(e);
+        }
+        self.batch.finish_one();
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // Never sent: cancelled (its batch failed) or left without a live connection.
+        self.finish(Err(TransportError::Closed));
+    }
+}
+
+/// Marks a batch failed when its future is dropped before it resolved (its queued windows are
+/// then cancelled instead of sent).
+struct CancelOnDrop(Option<Arc<BatchState>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            b.fail(TransportError::Closed);
         }
     }
 }
@@ -67,13 +118,14 @@ struct WireWrite {
 
 /// A window: writes followed by one fence.
 struct Window {
-    batch: Arc<BatchState>,
+    ticket: Ticket,
     writes: Vec<WireWrite>,
 }
 
+/// A window on the wire, waiting for its acknowledgement.
 struct Pending {
     tag: u64,
-    batch: Arc<BatchState>,
+    ticket: Ticket,
     since: Instant,
 }
 
@@ -91,8 +143,17 @@ impl ConnShared {
         lock(&self.dead).clone().unwrap_or(TransportError::Closed)
     }
 
-    /// Marks the connection dead (first cause wins), shuts the socket, fails what it carries.
+    /// Marks the connection dead (first cause wins), shuts the socket down, and only then fails
+    /// the windows it carries (nothing of them can be sent any more).
     fn fail(&self, e: TransportError) {
+        self.fail_with(None, e);
+    }
+
+    /// [`ConnShared::fail`], where `front` (a window already taken off the pending list, whose
+    /// acknowledgement was the fatal one) fails with `e` itself.
+    fn fail_with(&self, front: Option<Pending>, e: TransportError) {
+        let front = front.map(|p| (p, e.clone()));
+        let sock = socket2::SockRef::from(&self.stream);
         {
             let mut d = lock(&self.dead);
             if d.is_none() && e == TransportError::Closed {
@@ -100,15 +161,49 @@ impl ConnShared {
             } else if d.is_none() {
                 metrics::counter!("kvx_tcp_conn_failures_total", "cause" => e.label()).increment(1);
                 tracing::warn!(peer = %self.peer, error = %e, "tcp transport connection failed");
+                // A broken connection is reset when its socket closes, not flushed.
+                let _ = sock.set_linger(Some(std::time::Duration::ZERO));
                 *d = Some(e);
             }
         }
         self.is_dead.store(true, Ordering::Release);
-        let _ = socket2::SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+        let _ = sock.shutdown(std::net::Shutdown::Both);
+        if let Some((mut p, e)) = front {
+            p.ticket.finish(Err(e));
+        }
         let err = self.dead_error();
         let drained: Vec<Pending> = lock(&self.pending).drain(..).collect();
-        for p in drained {
-            p.batch.finish_window(Err(err.clone()));
+        for mut p in drained {
+            p.ticket.finish(Err(err.clone()));
+        }
+    }
+
+    /// Records a window as in flight before its first byte is written; refused once the
+    /// connection is dead (a window recorded here is finished by [`ConnShared::fail`]).
+    fn push(&self, p: Pending) -> Result<(), Pending> {
+        let mut q = lock(&self.pending);
+        if self.is_dead.load(Ordering::Acquire) {
+            return Err(p);
+        }
+        q.push_back(p);
+        Ok(())
+    }
+
+    /// Hands a window this (dead) connection took back to the queue for a live one. A window of
+    /// a failed batch is dropped (cancelled); one that cannot be queued fails with this
+    /// connection's cause.
+    fn hand_back(&self, w: Window, back: &mpsc::WeakSender<Window>) {
+        if w.ticket.batch.is_failed() {
+            return;
+        }
+        let back = match back.upgrade() {
+            Some(tx) => tx.try_send(w).map_err(|e| match e {
+                mpsc::error::TrySendError::Full(w) | mpsc::error::TrySendError::Closed(w) => w,
+            }),
+            None => Err(w),
+        };
+        if let Err(mut w) = back {
+            w.ticket.finish(Err(self.dead_error()));
         }
     }
 }
@@ -188,12 +283,8 @@ impl TcpSession {
             .unwrap_or(TransportError::Closed)
     }
 
-    /// Checks a batch and cuts it into windows.
-    fn plan(
-        &self,
-        ops: &[TransferOp],
-        batch: &Arc<BatchState>,
-    ) -> Result<Vec<Window>, TransportError> {
+    /// Checks a batch and cuts it into windows (the writes of each; nothing is sent on error).
+    fn plan(&self, ops: &[TransferOp]) -> Result<Vec<Vec<WireWrite>>, TransportError> {
         let slice = self.cfg.slice_bytes.max(1) as u64;
         let window_bytes = self.cfg.window_bytes.max(1);
         let max_writes = self.cfg.max_writes_per_window.max(1);
@@ -228,19 +319,13 @@ impl TcpSession {
                 cur_bytes += len;
                 off += len;
                 if cur_bytes >= window_bytes || cur.len() >= max_writes {
-                    windows.push(Window {
-                        batch: batch.clone(),
-                        writes: std::mem::take(&mut cur),
-                    });
+                    windows.push(std::mem::take(&mut cur));
                     cur_bytes = 0;
                 }
             }
         }
         if !cur.is_empty() {
-            windows.push(Window {
-                batch: batch.clone(),
-                writes: cur,
-            });
+            windows.push(cur);
         }
         Ok(windows)
     }
@@ -269,52 +354,72 @@ impl Session for TcpSession {
             ops: ops.len() as u64,
             bytes: TransferOp::total_bytes(&ops),
         };
-        let (tx, rx) = oneshot::channel();
-        let batch = Arc::new(BatchState {
-            windows_left: AtomicUsize::new(usize::MAX),
-            done: Mutex::new(Some(tx)),
-        });
-        let planned = self.plan(&ops, &batch);
+        let planned = self.plan(&ops);
         let tx = self.tx.clone();
         let conns = self.conns.clone();
         Box::pin(async move {
-            let windows = planned?;
-            if windows.is_empty() {
-                return Ok(report);
-            }
-            batch.windows_left.store(windows.len(), Ordering::Release);
-            let mut rx = rx;
-            let mut early = None;
-            for w in windows {
-                tokio::select! {
-                    sent = tx.send(w) => if sent.is_err() {
-                        batch.finish_window(Err(Self::dead_error(&conns)));
-                        break;
-                    },
-                    // The batch already failed: stop queueing the rest.
-                    r = &mut rx => {
-                        early = Some(r);
-                        break;
-                    }
-                }
-            }
-            // Only the windows may keep the completion alive now, so that a window dropped
-            // unsent (no writer left) ends the wait.
-            drop(batch);
-            let done = match early {
-                Some(r) => r,
-                None => rx.await,
-            };
-            let r = match done {
-                Ok(r) => r,
-                // Every window was dropped unsent: the writers are gone.
-                Err(_) => Err(Self::dead_error(&conns)),
-            };
+            let r = post(planned, tx, &conns).await;
             metrics::counter!("kvx_transport_batches_total", "backend" => "tcp",
                 "result" => match &r { Ok(()) => "ok", Err(e) => e.label() })
             .increment(1);
             r.map(|()| report)
         })
+    }
+}
+
+/// Queues a planned batch and waits until every window of it finished.
+async fn post(
+    planned: Result<Vec<Vec<WireWrite>>, TransportError>,
+    tx: mpsc::Sender<Window>,
+    conns: &[Arc<ConnShared>],
+) -> Result<(), TransportError> {
+    let planned = planned?;
+    if planned.is_empty() {
+        return Ok(());
+    }
+    let (done_tx, done_rx) = oneshot::channel();
+    let batch = Arc::new(BatchState {
+        left: AtomicUsize::new(planned.len()),
+        failed: AtomicBool::new(false),
+        error: Mutex::new(None),
+        done: Mutex::new(Some(done_tx)),
+    });
+    let mut guard = CancelOnDrop(Some(batch.clone()));
+    // Every window exists before the first is queued, so each one finishes exactly once.
+    let windows: Vec<Window> = planned
+        .into_iter()
+        .map(|writes| Window {
+            ticket: Ticket {
+                batch: batch.clone(),
+                finished: false,
+            },
+            writes,
+        })
+        .collect();
+    let mut windows = windows.into_iter();
+    for w in windows.by_ref() {
+        if batch.is_failed() {
+            break;
+        }
+        match tx.reserve().await {
+            Ok(permit) if !batch.is_failed() => permit.send(w),
+            Ok(_) => break,
+            Err(_) => {
+                batch.fail(TcpSession::dead_error(conns));
+                break;
+            }
+        }
+    }
+    // Not queued: cancelled here.
+    drop(windows);
+    let _ = done_rx.await;
+    guard.0 = None;
+    let e = lock(&batch.error).take();
+    match e {
+        None => Ok(()),
+        // Windows dropped unsent without a cause of their own: the writers are gone.
+        Some(TransportError::Closed) => Err(TcpSession::dead_error(conns)),
+        Some(e) => Err(e),
     }
 }
 
@@ -333,23 +438,20 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
         if c.is_dead.load(Ordering::Acquire) {
             // Died while waiting for work: hand the window back for a live connection (if none
             // is left, the queue is dropped with it and the batch fails with the cause).
-            let back = match requeue.upgrade() {
-                Some(tx) => tx.try_send(w).map_err(|e| match e {
-                    mpsc::error::TrySendError::Full(w) | mpsc::error::TrySendError::Closed(w) => w,
-                }),
-                None => Err(w),
-            };
-            if let Err(w) = back {
-                w.batch.finish_window(Err(c.dead_error()));
-            }
+            c.hand_back(w, &requeue);
             return;
         }
+        // A failed batch's windows are cancelled, never sent.
+        if w.ticket.batch.is_failed() {
+            continue;
+        }
+        let Window { ticket, writes } = w;
         let tag = next_tag;
         next_tag += 1;
         // Control bytes of the whole window: per group of up to MAX_ENTRIES writes a vectored
         // write header and its entries; then the fence. Payloads stay in registered memory.
         meta.clear();
-        let groups: Vec<&[WireWrite]> = w.writes.chunks(MAX_ENTRIES as usize).collect();
+        let groups: Vec<&[WireWrite]> = writes.chunks(MAX_ENTRIES as usize).collect();
         for g in &groups {
             meta.extend_from_slice(
                 &ClientFrame::WriteV {
@@ -370,7 +472,7 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             }
         }
         meta.extend_from_slice(&ClientFrame::Fence { tag }.encode());
-        let mut parts = Vec::with_capacity(w.writes.len() + 2 * groups.len() + 1);
+        let mut parts = Vec::with_capacity(writes.len() + 2 * groups.len() + 1);
         let mut at = 0;
         for g in &groups {
             let n = HEADER_LEN + g.len() * ENTRY_LEN;
@@ -381,11 +483,27 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             }
         }
         parts.push(IoPart::Bytes(&meta[at..]));
-        lock(&c.pending).push_back(Pending {
+        // Checked again as late as possible: past this point the window is on the wire and its
+        // batch waits for its acknowledgement (or for this connection to be shut down).
+        if ticket.batch.is_failed() {
+            continue;
+        }
+        let pending = Pending {
             tag,
-            batch: w.batch.clone(),
+            ticket,
             since: Instant::now(),
-        });
+        };
+        if let Err(p) = c.push(pending) {
+            drop(parts);
+            c.hand_back(
+                Window {
+                    ticket: p.ticket,
+                    writes,
+                },
+                &requeue,
+            );
+            return;
+        }
         match write_parts_blocking(&c.stream, &parts) {
             Ok(n) => {
                 metrics::counter!("kvx_tcp_bytes_sent_total").increment(n);
@@ -428,8 +546,9 @@ fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
                 have += n;
                 if have == HEADER_LEN {
                     have = 0;
-                    if let Err(e) = on_ack(&c, &buf) {
-                        c.fail(e);
+                    if let Err(f) = on_ack(&c, &buf) {
+                        let (front, e) = *f;
+                        c.fail_with(front, e);
                         return;
                     }
                 }
@@ -489,39 +608,52 @@ fn write_parts_blocking(
     Ok(total)
 }
 
-fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), TransportError> {
-    let ack = Ack::decode(buf).map_err(|e| TransportError::PeerLost {
-        peer: c.peer.clone(),
-        detail: format!("protocol error: {e}"),
+/// Why an acknowledgement fails its connection, with the window it was for when that window
+/// is to fail with this very error (a fatal rejection).
+type AckFailure = Box<(Option<Pending>, TransportError)>;
+
+fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), AckFailure> {
+    let ack = Ack::decode(buf).map_err(|e| {
+        Box::new((
+            None,
+            TransportError::PeerLost {
+                peer: c.peer.clone(),
+                detail: format!("protocol error: {e}"),
+            },
+        ))
     })?;
-    let front = lock(&c.pending).pop_front();
-    let Some(p) = front else {
-        return Err(TransportError::PeerLost {
-            peer: c.peer.clone(),
-            detail: format!("unexpected ack {}", ack.tag),
-        });
+    let rejected = |reason| TransportError::RemoteRejected {
+        reason,
+        addr: ack.first_rejected_addr,
+        len: 0,
     };
-    if let Some(reason) = ack.status {
-        let e = TransportError::RemoteRejected {
-            reason,
-            addr: ack.first_rejected_addr,
-            len: 0,
-        };
-        p.batch.finish_window(Err(e.clone()));
-        if ack.tag != p.tag {
-            // The peer closes after a fatal rejection (tag u64::MAX).
-            return Err(e);
-        }
-        return Ok(());
-    }
+    let front = lock(&c.pending).pop_front();
+    let Some(mut p) = front else {
+        return Err(Box::new((
+            None,
+            TransportError::PeerLost {
+                peer: c.peer.clone(),
+                detail: format!("unexpected ack {}", ack.tag),
+            },
+        )));
+    };
     if ack.tag != p.tag {
-        let e = TransportError::PeerLost {
-            peer: c.peer.clone(),
-            detail: format!("ack {} does not match window {}", ack.tag, p.tag),
-        };
-        p.batch.finish_window(Err(e.clone()));
-        return Err(e);
+        // The window fails with the connection, once its socket is shut down.
+        return Err(Box::new(match ack.status {
+            // A fatal rejection (tag u64::MAX): the peer closes after it.
+            Some(reason) => (Some(p), rejected(reason)),
+            None => {
+                let e = TransportError::PeerLost {
+                    peer: c.peer.clone(),
+                    detail: format!("ack {} does not match window {}", ack.tag, p.tag),
+                };
+                (Some(p), e)
+            }
+        }));
     }
-    p.batch.finish_window(Ok(()));
+    p.ticket.finish(match ack.status {
+        Some(reason) => Err(rejected(reason)),
+        None => Ok(()),
+    });
     Ok(())
 }
