@@ -12,11 +12,13 @@
 //! unsent. The first rejection or failure fails the batch, and a failed batch's windows are
 //! cancelled instead of sent: no more are queued, and a writer drops a window of a failed batch
 //! when it takes it (an atomic load per window, again just before it goes on the wire). The
-//! batch's future resolves only once every window finished, so when it returns nothing of the
-//! batch can still reach the peer; a dropped future fails its batch the same way. (A failed
-//! batch may so answer late: after the windows queued ahead of its own were taken, or after
-//! `ack_timeout` when a connection carrying one of its windows falls silent.) A connection with
-//! an unacknowledged window older than `ack_timeout` is declared dead (silent peer); a dead
+//! batch's future resolves only once every window finished, so when it returns this side sends
+//! nothing more of the batch; a dropped future fails its batch the same way. A failed batch may
+//! therefore answer late: once the windows queued ahead of its own were taken, or after
+//! `ack_timeout` when a connection carrying one of its windows falls silent. (On a connection
+//! failed by this side — timeout, local error — the kernel may still deliver bytes it accepted
+//! before the shutdown; a peer that closed or reset reads nothing more.) A connection with an
+//! unacknowledged window older than `ack_timeout` is declared dead (silent peer); a dead
 //! connection fails the windows it carries and stops taking new ones, and only that.
 
 use std::collections::VecDeque;
