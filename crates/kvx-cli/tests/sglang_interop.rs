@@ -449,6 +449,44 @@ fn kvx_prefill_to_sglang_decode_mla() {
     );
 }
 
+/// One `kvx prefill` (default `--backend auto`) serves an sglang 0.5.23 decode (Mooncake TE) and
+/// a kvx decode (kvx tcp) at the same time, choosing the data plane per decode session.
+#[test]
+fn one_kvx_prefill_serves_an_sglang_decode_and_a_kvx_decode_at_once() {
+    let _g = serial();
+    let port = free_port();
+    let pf = kvx_prefill(port, TINY, true, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let kvx = {
+        let path = path.clone();
+        std::thread::spawn(move || kvx_decode(port, TINY, 7000, &path, &["--backend", "tcp"]))
+    };
+    let out = sglang_decode(port, TINY, 6000, &[]);
+    let kvx_out = kvx.join().unwrap();
+    let logs = [
+        ("sglang decode", stderr_of(&out)),
+        ("kvx decode", stderr_of(&kvx_out)),
+        ("kvx prefill", pf.stderr_now()),
+    ];
+    assert_decode_verified(&out, &logs);
+    assert!(
+        path.exists(),
+        "kvx decode wrote no summary\n{}",
+        context(&Value::Null, &logs)
+    );
+    assert_kvx_verified(&summary(&path), &logs);
+    let log = pf.stderr_now();
+    for backend in ["\"mooncake\"", "\"tcp\""] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("data plane chosen for peer") && l.contains(backend)),
+            "the prefill never chose {backend}\n{}",
+            context(&Value::Null, &logs)
+        );
+    }
+}
+
 // ---- sglang prefill → kvx decode -------------------------------------------------------------
 
 fn assert_kvx_verified(s: &Value, logs: &[(&str, String)]) {
