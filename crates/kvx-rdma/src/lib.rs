@@ -57,6 +57,7 @@
 //! ```
 
 pub mod auto;
+mod batch;
 pub mod error;
 pub mod local;
 pub mod mem;

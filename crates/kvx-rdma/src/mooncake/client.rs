@@ -11,31 +11,19 @@
 //! only after every group that was handed to a socket is acknowledged or its connection is
 //! shut down: once it returns, nothing of the batch can still be sent.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvx_core::TransferOp;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use crate::batch;
 use crate::error::TransportError;
 use crate::mem::RegionTable;
 use crate::mooncake::MooncakeConfig;
-use crate::mooncake::conn::{self, BatchState, Conn, Group, Req, SharedQueue, lock};
+use crate::mooncake::conn::{self, Conn, Group, Req, SharedQueue};
 use crate::mooncake::descriptor::MooncakeDescriptor;
 use crate::segment::SegmentDescriptor;
 use crate::transport::{BatchReport, BoxFuture, Session};
-
-/// Marks a batch failed if its future is dropped before it resolved (queued groups are then
-/// cancelled instead of sent).
-struct CancelOnDrop(Option<Arc<BatchState>>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(b) = self.0.take() {
-            b.fail(TransportError::Closed);
-        }
-    }
-}
 
 /// A session to one Mooncake TE target (or a kvx mooncake target).
 pub struct MooncakeSession {
@@ -191,51 +179,15 @@ async fn post(
     tx: mpsc::Sender<Group>,
     conns: &[Arc<Conn>],
 ) -> Result<(), TransportError> {
-    let chunks = planned?;
-    if chunks.is_empty() {
-        return Ok(());
-    }
-    let (done_tx, done_rx) = oneshot::channel();
-    let batch = Arc::new(BatchState {
-        left: AtomicUsize::new(chunks.len()),
-        failed: AtomicBool::new(false),
-        error: Mutex::new(None),
-        done: Mutex::new(Some(done_tx)),
-    });
-    let mut guard = CancelOnDrop(Some(batch.clone()));
-    // Every group exists before the first is queued, so each one finishes exactly once
-    // (acknowledged, failed on its connection, or dropped unsent).
-    let groups: Vec<Group> = chunks
-        .into_iter()
-        .map(|(reqs, bytes)| Group {
-            batch: batch.clone(),
+    batch::post(
+        planned?,
+        |(reqs, bytes), ticket| Group {
+            ticket,
             reqs,
             bytes,
-            finished: false,
-        })
-        .collect();
-    let mut groups = groups.into_iter();
-    for g in groups.by_ref() {
-        if batch.is_failed() {
-            break;
-        }
-        match tx.reserve().await {
-            Ok(permit) if !batch.is_failed() => permit.send(g),
-            Ok(_) => break,
-            Err(_) => {
-                batch.fail(MooncakeSession::dead_error(conns));
-                break;
-            }
-        }
-    }
-    // Not queued: cancelled here.
-    drop(groups);
-    let _ = done_rx.await;
-    guard.0 = None;
-    let e = lock(&batch.error).take();
-    match e {
-        None => Ok(()),
-        Some(TransportError::Closed) => Err(MooncakeSession::dead_error(conns)),
-        Some(e) => Err(e),
-    }
+        },
+        tx,
+        || MooncakeSession::dead_error(conns),
+    )
+    .await
 }

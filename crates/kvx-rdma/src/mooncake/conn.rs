@@ -12,12 +12,13 @@
 use std::collections::VecDeque;
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use crate::batch::Ticket;
 use crate::error::{RejectReason, TransportError};
 use crate::mem::{self, IoPart, Span};
 use crate::mooncake::wire::{HEADER_LEN, Header, STATUS_ADDR_REJECTED, STATUS_LEN, Status};
@@ -29,63 +30,23 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One batch's completion state, shared by its groups.
-pub(super) struct BatchState {
-    pub left: AtomicUsize,
-    pub failed: AtomicBool,
-    pub error: Mutex<Option<TransportError>>,
-    pub done: Mutex<Option<oneshot::Sender<()>>>,
-}
-
-impl BatchState {
-    pub fn fail(&self, e: TransportError) {
-        lock(&self.error).get_or_insert(e);
-        self.failed.store(true, Ordering::Release);
-    }
-
-    pub fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
-    }
-
-    fn finish_one(&self) {
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1
-            && let Some(tx) = lock(&self.done).take()
-        {
-            let _ = tx.send(());
-        }
-    }
-}
-
 /// One request: a checked source span and its destination.
 pub(super) struct Req {
     pub src: Span,
     pub dst: u64,
 }
 
-/// Requests sent as one vectored stream; finishes exactly once (acked, failed or dropped).
+/// Requests sent as one vectored stream; its ticket finishes exactly once (acked, failed with
+/// its connection, or dropped unsent).
 pub(super) struct Group {
-    pub batch: Arc<BatchState>,
+    pub ticket: Ticket,
     pub reqs: Vec<Req>,
     pub bytes: u64,
-    pub finished: bool,
 }
 
 impl Group {
     fn finish(&mut self, r: Result<(), TransportError>) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        if let Err(e) = r {
-            self.batch.fail(e);
-        }
-        self.batch.finish_one();
-    }
-}
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        // Never sent (cancelled, or no connection left to take it).
-        self.finish(Err(TransportError::Closed));
+        self.ticket.finish(r);
     }
 }
 
@@ -401,14 +362,14 @@ fn writer(c: Arc<Conn>, queue: SharedQueue, back: mpsc::WeakSender<Group>) {
             return;
         }
         // A failed batch's groups are cancelled, never sent.
-        if g.batch.is_failed() {
+        if g.ticket.is_cancelled() {
             continue;
         }
         if !c.wait_room(g.bytes, g.reqs.len()) {
             hand_back(g, &back);
             return;
         }
-        if g.batch.is_failed() {
+        if g.ticket.is_cancelled() {
             continue;
         }
         hdrs.clear();

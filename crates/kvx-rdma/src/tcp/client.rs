@@ -22,15 +22,16 @@
 //! connection fails the windows it carries and stops taking new ones, and only that.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvx_core::TransferOp;
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use crate::batch::{self, Ticket};
 use crate::error::TransportError;
 use crate::mem::{self, IoPart, RegionTable, Span};
 use crate::segment::{RegionKey, SegmentDescriptor};
@@ -40,75 +41,6 @@ use crate::transport::{BatchReport, BoxFuture, Session};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// One batch's completion state, shared by its windows.
-struct BatchState {
-    /// Windows not finished yet.
-    left: AtomicUsize,
-    /// Set on the first failure: the batch's windows not yet sent are cancelled.
-    failed: AtomicBool,
-    /// The first failure.
-    error: Mutex<Option<TransportError>>,
-    /// Fired when the last window finished.
-    done: Mutex<Option<oneshot::Sender<()>>>,
-}
-
-impl BatchState {
-    fn fail(&self, e: TransportError) {
-        lock(&self.error).get_or_insert(e);
-        self.failed.store(true, Ordering::Release);
-    }
-
-    fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
-    }
-
-    fn finish_one(&self) {
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1
-            && let Some(tx) = lock(&self.done).take()
-        {
-            let _ = tx.send(());
-        }
-    }
-}
-
-/// A window's share of its batch. Finishes exactly once: explicitly (acknowledged, rejected,
-/// failed with its connection) or, dropped unfinished, as never sent.
-struct Ticket {
-    batch: Arc<BatchState>,
-    finished: bool,
-}
-
-impl Ticket {
-    fn finish(&mut self, r: Result<(), TransportError>) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        if let Err(e) = r {
-            self.batch.fail(e);
-        }
-        self.batch.finish_one();
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        // Never sent: cancelled (its batch failed) or left without a live connection.
-        self.finish(Err(TransportError::Closed));
-    }
-}
-
-/// Marks a batch failed when its future is dropped before it resolved (its queued windows are
-/// then cancelled instead of sent).
-struct CancelOnDrop(Option<Arc<BatchState>>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(b) = self.0.take() {
-            b.fail(TransportError::Closed);
-        }
-    }
 }
 
 /// One write on the wire: checked source span, destination, key.
@@ -195,7 +127,7 @@ impl ConnShared {
     /// a failed batch is dropped (cancelled); one that cannot be queued fails with this
     /// connection's cause.
     fn hand_back(&self, w: Window, back: &mpsc::WeakSender<Window>) {
-        if w.ticket.batch.is_failed() {
+        if w.ticket.is_cancelled() {
             return;
         }
         let back = match back.upgrade() {
@@ -375,54 +307,13 @@ async fn post(
     tx: mpsc::Sender<Window>,
     conns: &[Arc<ConnShared>],
 ) -> Result<(), TransportError> {
-    let planned = planned?;
-    if planned.is_empty() {
-        return Ok(());
-    }
-    let (done_tx, done_rx) = oneshot::channel();
-    let batch = Arc::new(BatchState {
-        left: AtomicUsize::new(planned.len()),
-        failed: AtomicBool::new(false),
-        error: Mutex::new(None),
-        done: Mutex::new(Some(done_tx)),
-    });
-    let mut guard = CancelOnDrop(Some(batch.clone()));
-    // Every window exists before the first is queued, so each one finishes exactly once.
-    let windows: Vec<Window> = planned
-        .into_iter()
-        .map(|writes| Window {
-            ticket: Ticket {
-                batch: batch.clone(),
-                finished: false,
-            },
-            writes,
-        })
-        .collect();
-    let mut windows = windows.into_iter();
-    for w in windows.by_ref() {
-        if batch.is_failed() {
-            break;
-        }
-        match tx.reserve().await {
-            Ok(permit) if !batch.is_failed() => permit.send(w),
-            Ok(_) => break,
-            Err(_) => {
-                batch.fail(TcpSession::dead_error(conns));
-                break;
-            }
-        }
-    }
-    // Not queued: cancelled here.
-    drop(windows);
-    let _ = done_rx.await;
-    guard.0 = None;
-    let e = lock(&batch.error).take();
-    match e {
-        None => Ok(()),
-        // Windows dropped unsent without a cause of their own: the writers are gone.
-        Some(TransportError::Closed) => Err(TcpSession::dead_error(conns)),
-        Some(e) => Err(e),
-    }
+    batch::post(
+        planned?,
+        |writes, ticket| Window { ticket, writes },
+        tx,
+        || TcpSession::dead_error(conns),
+    )
+    .await
 }
 
 /// A connection's sending thread (blocking socket: the kernel sleeps and wakes it directly).
@@ -444,7 +335,7 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             return;
         }
         // A failed batch's windows are cancelled, never sent.
-        if w.ticket.batch.is_failed() {
+        if w.ticket.is_cancelled() {
             continue;
         }
         let Window { ticket, writes } = w;
@@ -487,7 +378,7 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
         parts.push(IoPart::Bytes(&meta[at..]));
         // Checked again as late as possible: past this point the window is on the wire and its
         // batch waits for its acknowledgement (or for this connection to be shut down).
-        if ticket.batch.is_failed() {
+        if ticket.is_cancelled() {
             continue;
         }
         let pending = Pending {

@@ -1,0 +1,155 @@
+//! Batch completion shared by the socket backends (`tcp`, `mooncake`): a batch is answered only
+//! when nothing of it can still reach the peer.
+//!
+//! A session cuts a batch into units (tcp windows, mooncake request groups) and [`post`]s them
+//! through its bounded queue. Each unit carries a [`Ticket`] that finishes exactly once:
+//! explicitly (acknowledged, rejected, failed with its connection — the caller finishes it only
+//! after the connection's socket is shut down) or, dropped unfinished, as never sent. The first
+//! failure marks the batch failed, so writers drop its units not yet on the wire
+//! ([`Ticket::is_cancelled`], one atomic load) and [`post`] stops queueing; the batch's future
+//! resolves once every ticket finished. A dropped future cancels the batch's queued units too.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::TransportError;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One batch's completion state, shared by its units' tickets.
+struct BatchState {
+    /// Units not finished yet.
+    left: AtomicUsize,
+    /// Set on the first failure: the batch's units not yet sent are cancelled.
+    failed: AtomicBool,
+    /// The first failure.
+    error: Mutex<Option<TransportError>>,
+    /// Fired when the last unit finished.
+    done: Mutex<Option<oneshot::Sender<()>>>,
+}
+
+impl BatchState {
+    fn fail(&self, e: TransportError) {
+        lock(&self.error).get_or_insert(e);
+        self.failed.store(true, Ordering::Release);
+    }
+
+    fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    fn finish_one(&self) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1
+            && let Some(tx) = lock(&self.done).take()
+        {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A unit's share of its batch; finishes exactly once (dropped unfinished: never sent).
+pub(crate) struct Ticket {
+    batch: Arc<BatchState>,
+    finished: bool,
+}
+
+impl Ticket {
+    /// Finishes the unit: `Ok` when the peer applied it, else the batch fails with `r`'s error
+    /// (the first error of a batch is the one it reports). Later calls do nothing.
+    pub(crate) fn finish(&mut self, r: Result<(), TransportError>) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        if let Err(e) = r {
+            self.batch.fail(e);
+        }
+        self.batch.finish_one();
+    }
+
+    /// True once the batch failed: a unit not yet on the wire must be dropped, not sent.
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.batch.is_failed()
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // Never sent: cancelled (its batch failed) or left without a live connection.
+        self.finish(Err(TransportError::Closed));
+    }
+}
+
+/// Marks a batch failed when its future is dropped before it resolved.
+struct CancelOnDrop(Option<Arc<BatchState>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            b.fail(TransportError::Closed);
+        }
+    }
+}
+
+/// Makes one unit per planned item (`make(item, ticket)`), queues them on `tx` in order and
+/// waits until every unit finished. Stops queueing once the batch failed (units never queued
+/// are dropped, that is cancelled). A failure without a cause of its own (units dropped unsent
+/// because no writer is left) is reported as `dead_error()`.
+pub(crate) async fn post<P, T>(
+    planned: Vec<P>,
+    make: impl Fn(P, Ticket) -> T,
+    tx: mpsc::Sender<T>,
+    dead_error: impl Fn() -> TransportError,
+) -> Result<(), TransportError> {
+    if planned.is_empty() {
+        return Ok(());
+    }
+    let (done_tx, done_rx) = oneshot::channel();
+    let batch = Arc::new(BatchState {
+        left: AtomicUsize::new(planned.len()),
+        failed: AtomicBool::new(false),
+        error: Mutex::new(None),
+        done: Mutex::new(Some(done_tx)),
+    });
+    let mut guard = CancelOnDrop(Some(batch.clone()));
+    // Every unit exists before the first is queued, so each one finishes exactly once.
+    let units: Vec<T> = planned
+        .into_iter()
+        .map(|p| {
+            make(
+                p,
+                Ticket {
+                    batch: batch.clone(),
+                    finished: false,
+                },
+            )
+        })
+        .collect();
+    let mut units = units.into_iter();
+    for u in units.by_ref() {
+        if batch.is_failed() {
+            break;
+        }
+        match tx.reserve().await {
+            Ok(permit) if !batch.is_failed() => permit.send(u),
+            Ok(_) => break,
+            Err(_) => {
+                batch.fail(dead_error());
+                break;
+            }
+        }
+    }
+    // Not queued: cancelled here.
+    drop(units);
+    let _ = done_rx.await;
+    guard.0 = None;
+    let e = lock(&batch.error).take();
+    match e {
+        None => Ok(()),
+        Some(TransportError::Closed) => Err(dead_error()),
+        Some(e) => Err(e),
+    }
+}
