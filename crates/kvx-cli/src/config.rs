@@ -63,7 +63,7 @@ pub struct ModelArgs {
 pub struct StagingArgs {
     /// Move KV between different attention-TP sizes through the decode's staging ring (one
     /// gathered write per chunk) instead of per-token head slices. Needed on both sides.
-    #[arg(long, env = "SGLANG_DISAGG_STAGING_BUFFER")]
+    #[arg(long, env = "SGLANG_DISAGG_STAGING_BUFFER", value_parser = clap::builder::BoolishValueParser::new())]
     pub staging: bool,
     /// Tokens per prefill chunk; the staging chunk grid is cut from it (must match the other
     /// side's).
@@ -136,7 +136,7 @@ pub struct PrefillArgs {
     #[arg(long, default_value_t = 60.0)]
     pub staging_wait_timeout: f64,
     /// Send aux rows as AUX_DATA messages over ZMQ instead of writing them.
-    #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP")]
+    #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP", value_parser = clap::builder::BoolishValueParser::new())]
     pub aux_over_tcp: bool,
 }
 
