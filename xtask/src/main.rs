@@ -5,8 +5,9 @@
 //!   every test of the workspace (nextest when present, doc tests too), then the short profile of
 //!   `cargo xtask integration`.
 //! - `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target for a bounded time.
-//! - `cargo xtask bench [transport|e2e]`: the benchmarks anyone can rerun, and whole rooms end to
-//!   end; writes `target/kvx-report/report.md`.
+//! - `cargo xtask bench [transport|e2e|interop]`: the benchmarks anyone can rerun, whole rooms end
+//!   to end, and kvx's mooncake backend against the real Mooncake TE (`interop`); writes
+//!   `target/kvx-report/report.md`.
 //! - `cargo xtask integration`: multi-process fault runs.
 
 use std::path::{Path, PathBuf};
@@ -65,6 +66,7 @@ fn main() -> Result<()> {
         }
         Cmd::Setup => setup::ensure_all(&root),
         Cmd::Fuzz { seconds } => fuzz(&root, seconds),
+        Cmd::Bench { what } if what.as_deref() == Some("interop") => report::interop::run(&root),
         Cmd::Bench { what } => {
             let r = if what.as_deref() == Some("e2e") {
                 Ok(())

@@ -3,6 +3,7 @@
 //! report is rebuilt from every part present, so one command never erases the other's results.
 
 pub mod bench;
+pub mod interop;
 pub mod svg;
 
 use std::fmt::Write as _;
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 /// Order of the known parts in the report; others follow alphabetically.
-const ORDER: &[&str] = &["integration", "bench-e2e", "bench"];
+const ORDER: &[&str] = &["integration", "bench-e2e", "bench-interop", "bench"];
 
 /// The report folder: `$CARGO_TARGET_DIR/kvx-report`, else `<root>/target/kvx-report`.
 pub fn report_dir(root: &Path) -> PathBuf {
