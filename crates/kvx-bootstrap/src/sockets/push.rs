@@ -216,9 +216,8 @@ impl PushCache {
         }
     }
 
-    /// Sends one multipart message to `ep`, connecting (or reconnecting) as needed. Blocks up
-    /// to the send timeout. On failure the socket is dropped so the next send starts fresh.
-    pub fn send<F: AsRef<[u8]>>(&mut self, ep: &Endpoint, frames: &[F]) -> Result<(), SocketError> {
+    /// The cached socket toward `ep`, connected (or reconnected after a disconnect) as needed.
+    fn entry(&mut self, ep: &Endpoint) -> Result<&mut Entry, SocketError> {
         self.clock += 1;
         let stale = self.entries.get(ep).is_some_and(Self::disconnected);
         if stale {
@@ -238,25 +237,59 @@ impl PushCache {
             return Err(SocketError::Closed);
         };
         entry.last_used = clock;
-        let res = send_all(&entry.push, frames);
-        if let Err(e) = res {
-            self.entries.remove(ep);
-            let err = match e {
-                zmq::Error::EAGAIN => SocketError::SendTimeout {
-                    addr: ep.zmq_addr(),
-                },
-                other => SocketError::Zmq {
-                    what: "send",
-                    addr: ep.zmq_addr(),
-                    source: other,
-                },
-            };
-            tracing::warn!(endpoint = %ep, error = %err, "send failed; socket dropped");
-            metrics::counter!("kvx_bootstrap_push_send_errors_total", "kind" => err.kind())
-                .increment(1);
-            return Err(err);
-        }
-        Ok(())
+        Ok(entry)
+    }
+
+    /// Drops the socket toward `ep` after a failed send and returns the error to report.
+    fn failed(&mut self, ep: &Endpoint, e: zmq::Error) -> SocketError {
+        self.entries.remove(ep);
+        let err = match e {
+            zmq::Error::EAGAIN => SocketError::SendTimeout {
+                addr: ep.zmq_addr(),
+            },
+            other => SocketError::Zmq {
+                what: "send",
+                addr: ep.zmq_addr(),
+                source: other,
+            },
+        };
+        tracing::warn!(endpoint = %ep, error = %err, "send failed; socket dropped");
+        metrics::counter!("kvx_bootstrap_push_send_errors_total", "kind" => err.kind())
+            .increment(1);
+        err
+    }
+
+    /// Sends one multipart message to `ep`, connecting (or reconnecting) as needed. Blocks up
+    /// to the send timeout. On failure the socket is dropped so the next send starts fresh.
+    pub fn send<F: AsRef<[u8]>>(&mut self, ep: &Endpoint, frames: &[F]) -> Result<(), SocketError> {
+        let res = send_all(&self.entry(ep)?.push, frames);
+        res.map_err(|e| self.failed(ep, e))
+    }
+
+    /// Like [`PushCache::send`], but when the message cannot be queued within the send timeout
+    /// (the peer's queue is full: `EAGAIN` on the first frame, so nothing of it was queued) the
+    /// socket is kept and `Ok(false)` returned, so that the caller can retry the same message
+    /// later on the same socket and nothing sent after it overtakes it. `Ok(true)`: queued.
+    pub fn send_or_hold<F: AsRef<[u8]>>(
+        &mut self,
+        ep: &Endpoint,
+        frames: &[F],
+    ) -> Result<bool, SocketError> {
+        let Some((first, rest)) = frames.split_first() else {
+            return Ok(true);
+        };
+        let push = &self.entry(ep)?.push;
+        let flags = if rest.is_empty() { 0 } else { zmq::SNDMORE };
+        let res = match push.send(first.as_ref(), flags) {
+            Err(zmq::Error::EAGAIN) => return Ok(false),
+            // libzmq takes a multipart message whole once its first frame is in.
+            Ok(()) => rest.iter().enumerate().try_for_each(|(i, f)| {
+                let flags = if i + 1 < rest.len() { zmq::SNDMORE } else { 0 };
+                push.send(f.as_ref(), flags)
+            }),
+            Err(e) => Err(e),
+        };
+        res.map(|()| true).map_err(|e| self.failed(ep, e))
     }
 
     /// Closes the socket toward `ep` (e.g. after a heartbeat declared the peer dead).
