@@ -59,10 +59,16 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match cli.cmd {
         Cmd::Test { no_setup } => {
-            if !no_setup {
-                setup::ensure_all(&root)?;
-            }
-            test(&root)
+            // The venv (minutes of pip on a fresh machine) is made while fmt and clippy run;
+            // the tests wait for it.
+            let venv = if no_setup {
+                None
+            } else {
+                setup::ensure_apt()?;
+                let root = root.clone();
+                Some(std::thread::spawn(move || setup::ensure_venv(&root)))
+            };
+            test(&root, venv)
         }
         Cmd::Setup => setup::ensure_all(&root),
         Cmd::Fuzz { seconds } => fuzz(&root, seconds),
@@ -122,7 +128,7 @@ fn has_nextest() -> bool {
         .unwrap_or(false)
 }
 
-fn test(root: &Path) -> Result<()> {
+fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Result<()> {
     let venv_bin = root.join(".venv/bin");
     let path = format!(
         "{}:{}",
@@ -139,6 +145,11 @@ fn test(root: &Path) -> Result<()> {
             "--",
         ])
         .args(["-D", "warnings"]))?;
+    if let Some(v) = venv {
+        v.join()
+            .map_err(|_| anyhow::anyhow!("the venv setup thread panicked"))?
+            .context("setting up the Python venv")?;
+    }
     if has_nextest() {
         run(cargo()
             .env("PATH", &path)

@@ -67,7 +67,8 @@ pub fn ensure_all(root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn ensure_apt() -> Result<()> {
+/// Installs the missing Debian packages (the build needs some of them).
+pub fn ensure_apt() -> Result<()> {
     let missing: Vec<&str> = APT_PACKAGES
         .iter()
         .copied()
@@ -111,7 +112,8 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn ensure_venv(root: &Path) -> Result<()> {
+/// Creates the Python venv of the interop peers when it is missing or incomplete.
+pub fn ensure_venv(root: &Path) -> Result<()> {
     let venv = root.join(".venv");
     let py = venv.join("bin/python3");
     if !py.exists() {
