@@ -151,6 +151,11 @@ async fn failed_batch_sends_nothing_after_it_returns() {
             assert_eq!(addr, reject_at);
             assert_eq!(len, OP);
         }
+        // The target closes without draining right after its reject frame (as Mooncake does):
+        // a writer still sending on that connection may see the reset before the reader has
+        // read the frame, and the kernel then discards the frame. Either way the batch failed.
+        TransportError::PeerLost { ref detail, .. }
+            if detail.contains("reset") || detail.contains("pipe") => {}
         e => panic!("unexpected {e}"),
     }
     let at_return = fake.received.load(Ordering::SeqCst);
