@@ -359,7 +359,18 @@ impl Shared {
     /// Fails an open room from this side and tells every decode that receives its KV
     /// (status 0). False when the room was not open.
     pub(crate) fn fail_room(&self, room: Room, reason: &str) -> bool {
-        let targets = lock(&self.rooms)
+        self.fail_room_and(room, reason, None)
+    }
+
+    /// [`Shared::fail_room`], telling `also` (a session known to take part, e.g. the one whose
+    /// write failed) even if the room's session list does not name it.
+    pub(crate) fn fail_room_and(
+        &self,
+        room: Room,
+        reason: &str,
+        also: Option<(SessionId, Endpoint)>,
+    ) -> bool {
+        let mut targets: Vec<(SessionId, Endpoint)> = lock(&self.rooms)
             .sessions
             .get(&room)
             .map(|ss| {
@@ -369,6 +380,11 @@ impl Shared {
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(t) = also
+            && !targets.iter().any(|(s, _)| *s == t.0)
+        {
+            targets.push(t);
+        }
         let failed = self.fail_room_with(room, targets, reason);
         if failed {
             tracing::warn!(%room, reason, "room failed");
@@ -874,7 +890,21 @@ fn handle_inbound<F: AsRef<[u8]>>(shared: &Shared, frames: &[F]) {
             }
             let total_pages = req.dst.as_ref().map(|d| d.kv_pages.len());
             let session = req.session.clone();
+            let target = (req.session.clone(), req.endpoint.clone(), !req.is_dummy());
             let _ = shared.handle(PrefillEvent::Metadata(*req));
+            {
+                // Again now that the manager knows the room: another thread's `handle` may have
+                // pruned the entry in between (it keeps only rooms the manager knows).
+                // (Lock order: the table before the room sets, never both here.)
+                let known = lock(&shared.table).poll(room).is_some();
+                let mut rooms = lock(&shared.rooms);
+                if known {
+                    let ss = rooms.sessions.entry(room).or_default();
+                    if !ss.iter().any(|(s, _, _)| *s == target.0) {
+                        ss.push(target);
+                    }
+                }
+            }
             if let Some(total_pages) = total_pages {
                 staging::open(shared, room, &session, total_pages);
             }

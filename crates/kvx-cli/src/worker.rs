@@ -175,7 +175,10 @@ fn worker_loop(
             Outcome::RoomFailed(reason) => {
                 // One room's problem: fail it, tell every decode rank of the room (not only
                 // this session's: the others would wait for their timeout), keep the session.
-                shared.fail_room(room, &reason);
+                let endpoint = lock(&shared.table)
+                    .registration(&session)
+                    .map(|r| r.endpoint.clone());
+                shared.fail_room_and(room, &reason, endpoint.map(|e| (session.clone(), e)));
                 complete(shared, work, Ok(()), false);
             }
         }

@@ -25,7 +25,12 @@ fn client_error(e: TransportError) -> TransportError {
     metrics::counter!("kvx_mooncake_handshake_errors_total", "side" => "client",
         "cause" => e.label())
     .increment(1);
-    tracing::warn!(error = %e, "mooncake handshake failed");
+    if matches!(e, TransportError::WrongProtocol { .. }) {
+        // Expected where `--backend auto` asks a kvx decode's port.
+        tracing::debug!(error = %e, "not a Mooncake TE handshake port");
+    } else {
+        tracing::warn!(error = %e, "mooncake handshake failed");
+    }
     e
 }
 
