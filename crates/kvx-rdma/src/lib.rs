@@ -63,6 +63,7 @@ pub mod local;
 pub mod mem;
 pub mod mooncake;
 pub mod segment;
+mod session_cache;
 pub mod shm;
 pub mod tcp;
 pub mod transport;

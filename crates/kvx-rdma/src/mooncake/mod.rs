@@ -46,7 +46,6 @@ pub mod handshake;
 mod server;
 pub mod wire;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -62,6 +61,7 @@ pub use server::ServeError;
 use crate::error::TransportError;
 use crate::mem::RegionTable;
 use crate::segment::{RegionKey, SegmentDescriptor};
+use crate::session_cache::SessionCache;
 use crate::transport::{BoxFuture, Session, Transport};
 
 /// Tuning and limits of the mooncake backend.
@@ -183,7 +183,7 @@ struct Inner {
     cfg: MooncakeConfig,
     table: Arc<RegionTable>,
     endpoint: String,
-    sessions: Mutex<HashMap<String, Arc<MooncakeSession>>>,
+    sessions: SessionCache<MooncakeSession>,
     server: Option<Server>,
 }
 
@@ -254,7 +254,7 @@ impl MooncakeTransport {
                 cfg,
                 table,
                 endpoint,
-                sessions: Mutex::new(HashMap::new()),
+                sessions: SessionCache::new(),
                 server: Some(Server {
                     ctx,
                     tasks: Mutex::new(tasks),
@@ -270,7 +270,7 @@ impl MooncakeTransport {
                 cfg,
                 table: Arc::new(RegionTable::new()),
                 endpoint: String::new(),
-                sessions: Mutex::new(HashMap::new()),
+                sessions: SessionCache::new(),
                 server: None,
             },
         })
@@ -412,18 +412,11 @@ impl Transport for MooncakeTransport {
         &'a self,
         peer: &'a str,
     ) -> BoxFuture<'a, Result<Arc<dyn Session>, TransportError>> {
-        Box::pin(async move {
-            let cached = lock(&self.inner.sessions)
-                .get(peer)
-                .filter(|s| s.is_alive())
-                .cloned();
-            if let Some(s) = cached {
-                return Ok(s as Arc<dyn Session>);
-            }
-            let s = Arc::new(self.open_session(peer).await?);
-            lock(&self.inner.sessions).insert(peer.to_owned(), s.clone());
-            Ok(s as Arc<dyn Session>)
-        })
+        Box::pin(
+            self.inner
+                .sessions
+                .get_or_open(peer, || self.open_session(peer)),
+        )
     }
 }
 

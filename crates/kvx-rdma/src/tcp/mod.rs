@@ -24,6 +24,7 @@ pub use client::TcpSession;
 use crate::error::TransportError;
 use crate::mem::RegionTable;
 use crate::segment::{RegionKey, SegmentDescriptor};
+use crate::session_cache::SessionCache;
 use crate::transport::{BoxFuture, Session, Transport};
 use wire::{HELLO_LEN, HELLO_OK, Hello, VERSION};
 
@@ -73,7 +74,7 @@ struct Inner {
     cfg: TcpConfig,
     table: Arc<RegionTable>,
     endpoint: String,
-    sessions: Mutex<HashMap<String, Arc<TcpSession>>>,
+    sessions: SessionCache<TcpSession>,
     server: Mutex<Option<(JoinHandle<()>, oneshot::Sender<()>)>>,
     server_ctx: Option<Arc<server::ServerCtx>>,
 }
@@ -126,7 +127,7 @@ impl TcpTransport {
                 cfg,
                 table,
                 endpoint,
-                sessions: Mutex::new(HashMap::new()),
+                sessions: SessionCache::new(),
                 server: Mutex::new(Some((handle, stop))),
                 server_ctx: Some(ctx),
             },
@@ -140,7 +141,7 @@ impl TcpTransport {
                 cfg,
                 table: Arc::new(RegionTable::new()),
                 endpoint: String::new(),
-                sessions: Mutex::new(HashMap::new()),
+                sessions: SessionCache::new(),
                 server: Mutex::new(None),
                 server_ctx: None,
             },
@@ -278,25 +279,10 @@ impl Transport for TcpTransport {
         &'a self,
         peer: &'a str,
     ) -> BoxFuture<'a, Result<Arc<dyn Session>, TransportError>> {
-        Box::pin(async move {
-            let cached = self
-                .inner
-                .sessions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(peer)
-                .filter(|s| s.is_alive())
-                .cloned();
-            if let Some(s) = cached {
-                return Ok(s as Arc<dyn Session>);
-            }
-            let s = Arc::new(self.open_session(peer).await?);
+        Box::pin(
             self.inner
                 .sessions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(peer.to_owned(), s.clone());
-            Ok(s as Arc<dyn Session>)
-        })
+                .get_or_open(peer, || self.open_session(peer)),
+        )
     }
 }
