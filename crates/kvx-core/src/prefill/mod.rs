@@ -9,6 +9,16 @@
 //! status 0). Once a room is terminal, its sender known and nothing is outstanding, every
 //! per-room entry is dropped ([`PrefillManager::live_entries`] counts them for leak tests).
 //!
+//! Nothing of a room reaches a decode after its Failed status: the status 0 goes out only once
+//! the room's posted batches all came back (a fatal fault included), so the decode may reuse its
+//! pages as soon as it reads it. Network-fed state is bounded: registrations
+//! ([`PrefillConfig::max_sessions`], least recently used evicted; a decode inbox that registers
+//! a new session replaces its old one), rooms waiting for their sender
+//! ([`PrefillConfig::max_unopened_rooms`], dropped after [`PrefillConfig::unopened_room_ttl`]),
+//! and metadata from an unregistered session is refused without sending anything to the endpoint
+//! it names. Time reaches the manager as deadlines: [`PrefillManager::poll_timeout`] says when the
+//! next [`PrefillEvent::Tick`] is due.
+//!
 //! Two peer generations are served side by side, told apart by what each decode sends: a
 //! registration with frame 19 (sglang 0.5.23) or a 5-frame `ABORT` marks its session as taking a
 //! failure reason as a 4th status frame; an `ABORT` with a generation is acknowledged with the
@@ -21,11 +31,12 @@ mod plan;
 mod tests;
 pub mod types;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 pub use types::{
-    BatchId, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_FAILED_SESSION_TTL, LiveEntries, LocalMemory,
+    BatchId, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_FAILED_SESSION_TTL, DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_UNOPENED_ROOMS, LiveEntries, LocalMemory,
     PrefillAction, PrefillConfig, PrefillError, PrefillEvent, RoomError, TransferPath,
 };
 
@@ -57,6 +68,10 @@ struct RoomState {
     /// ABORT_ACKs waiting for the room to drain: one per decode endpoint, with the generation
     /// of its latest `ABORT` (`None` for a 4-frame one).
     pending_acks: Vec<(Endpoint, Option<u64>)>,
+    /// The room failed while batches were in flight: its decodes get status 0 once they drain.
+    notify_pending: bool,
+    /// The room's entry in the deadline set (bootstrap timeout or unopened TTL).
+    deadline: Option<Instant>,
 }
 
 impl RoomState {
@@ -72,6 +87,8 @@ impl RoomState {
             last_done: false,
             failure: None,
             pending_acks: Vec::new(),
+            notify_pending: false,
+            deadline: None,
         }
     }
 
@@ -89,9 +106,16 @@ pub struct PrefillManager {
     cfg: PrefillConfig,
     local: LocalMemory,
     rank: u32,
-    sessions: HashMap<SessionId, Session>,
+    /// Registered sessions with their last use (registration or metadata), for LRU eviction.
+    sessions: HashMap<SessionId, (Session, u64)>,
+    /// Monotonic use counter for `sessions`.
+    use_clock: u64,
     failed: HashMap<SessionId, Instant>,
     rooms: HashMap<Room, RoomState>,
+    /// Rooms held without a local sender.
+    unopened: usize,
+    /// Room deadlines (mirrors each room's `deadline`).
+    deadlines: BTreeSet<(Instant, Room)>,
     batches: HashMap<BatchId, (Room, SessionId)>,
     next_batch: u64,
 }
@@ -105,8 +129,11 @@ impl PrefillManager {
             local,
             rank,
             sessions: HashMap::new(),
+            use_clock: 0,
             failed: HashMap::new(),
             rooms: HashMap::new(),
+            unopened: 0,
+            deadlines: BTreeSet::new(),
             batches: HashMap::new(),
             next_batch: 0,
         }
@@ -139,20 +166,20 @@ impl PrefillManager {
 
     /// A session's registration.
     pub fn registration(&self, session: &SessionId) -> Option<&DecodeRegistration> {
-        self.sessions.get(session).map(|s| &s.reg)
+        self.sessions.get(session).map(|s| &s.0.reg)
     }
 
     /// True when a Failed status towards `session` may carry the reason as a 4th frame (the
     /// decode is known to be sglang 0.5.23-shaped; see [`PrefillAction::SendStatus`]).
     pub fn accepts_status_reason(&self, session: &SessionId) -> bool {
-        self.sessions.get(session).is_some_and(|s| s.status_reason)
+        self.sessions.get(session).is_some_and(|s| s.0.status_reason)
     }
 
     /// The KV path towards a registered session (for metrics and the staging hook).
     pub fn path_for(&self, session: &SessionId) -> Option<TransferPath> {
         self.sessions
             .get(session)
-            .map(|s| s.path(&self.cfg, &self.local))
+            .map(|s| s.0.path(&self.cfg, &self.local))
     }
 
     /// True while a session is marked failed at `now`.
@@ -167,6 +194,21 @@ impl PrefillManager {
             transfer_infos: self.rooms.values().map(|r| r.infos.len()).sum(),
             batches: self.batches.len(),
             pending_acks: self.rooms.values().map(|r| r.pending_acks.len()).sum(),
+            unopened_rooms: self.unopened,
+            deadlines: self.deadlines.len(),
+            sessions: self.sessions.len(),
+            failed_sessions: self.failed.len(),
+        }
+    }
+
+    /// When the next [`PrefillEvent::Tick`] is due: the earliest room deadline (bootstrap
+    /// timeout, unopened-room TTL) or failed-session expiry; `None` when nothing is timed.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let room = self.deadlines.first().map(|(at, _)| *at);
+        let session = self.failed.values().min().copied();
+        match (room, session) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -187,15 +229,10 @@ impl PrefillManager {
                         dcp_rank: reg.dcp_rank,
                     });
                 }
-                self.failed.remove(&reg.session);
-                let session = Session::new(reg, &self.local);
-                self.sessions.insert(session.reg.session.clone(), session);
+                self.register(reg);
                 Ok(())
             }
-            PrefillEvent::Metadata(req) => {
-                self.metadata(now, req, out);
-                Ok(())
-            }
+            PrefillEvent::Metadata(req) => self.metadata(now, req, out),
             PrefillEvent::SenderCreated { room } => self.sender_created(now, room, out),
             PrefillEvent::SenderInit {
                 room,
@@ -234,7 +271,7 @@ impl PrefillManager {
                 if !self.rooms.contains_key(&room) {
                     return Err(PrefillError::UnknownRoom(room));
                 }
-                self.fail(room, RoomError::FailedBySender { reason }, false, out);
+                self.fail(room, RoomError::FailedBySender { reason }, true, out);
                 self.try_release(room, out);
                 Ok(())
             }
@@ -243,12 +280,10 @@ impl PrefillManager {
                 Ok(())
             }
             PrefillEvent::Fatal { reason } => {
-                self.batches.clear();
+                // Batches stay outstanding: a room is released (and its decodes told) only once
+                // the driver reported every one of its batches.
                 let rooms: Vec<Room> = self.rooms.keys().copied().collect();
                 for room in rooms {
-                    if let Some(rs) = self.rooms.get_mut(&room) {
-                        rs.inflight = 0;
-                    }
                     self.fail(room, RoomError::Fatal(reason.clone()), true, out);
                     self.try_release(room, out);
                 }
@@ -257,29 +292,113 @@ impl PrefillManager {
         }
     }
 
-    fn metadata(&mut self, now: Instant, req: TransferRequest, out: &mut Vec<PrefillAction>) {
-        let room = req.room;
-        let rs = self
-            .rooms
-            .entry(room)
-            .or_insert_with(|| RoomState::new(now));
-        if rs.status.is_terminal() {
+    /// Records a registration: clears the session's failed mark, replaces older sessions of the
+    /// same decode inbox (a restarted decode), and evicts the least recently used session when
+    /// [`PrefillConfig::max_sessions`] are held.
+    fn register(&mut self, reg: DecodeRegistration) {
+        self.failed.remove(&reg.session);
+        let stale: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(id, (s, _))| s.reg.endpoint == reg.endpoint && **id != reg.session)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            self.sessions.remove(&id);
+            self.failed.remove(&id);
+        }
+        if !self.sessions.contains_key(&reg.session)
+            && self.sessions.len() >= self.cfg.max_sessions.max(1)
+            && let Some(lru) = self
+                .sessions
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(id, _)| id.clone())
+        {
+            self.sessions.remove(&lru);
+            self.failed.remove(&lru);
+        }
+        self.use_clock += 1;
+        let session = Session::new(reg, &self.local);
+        self.sessions
+            .insert(session.reg.session.clone(), (session, self.use_clock));
+    }
+
+    /// Sets the room's deadline by its state: unopened rooms expire after the unopened TTL,
+    /// opened rooms still Bootstrapping after the bootstrap timeout; others have none.
+    fn refresh_deadline(&mut self, room: Room) {
+        let Some(rs) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let want = match rs.sender {
+            None => rs.first_seen.checked_add(self.cfg.unopened_room_ttl),
+            Some(s) if rs.status == KVPoll::Bootstrapping => {
+                s.created.checked_add(self.cfg.bootstrap_timeout)
+            }
+            Some(_) => None,
+        };
+        if want == rs.deadline {
             return;
         }
-        let problem = if req.required_dst_info_num == 0 {
-            Some(RoomError::BadMetadata {
-                room,
-                session: req.session.clone(),
-                what: "required_dst_info_num is 0",
-            })
-        } else if !req.is_dummy() && !self.sessions.contains_key(&req.session) {
-            Some(RoomError::UnregisteredSession {
-                room,
-                session: req.session.clone(),
-            })
-        } else {
-            None
+        if let Some(old) = rs.deadline.take() {
+            self.deadlines.remove(&(old, room));
+        }
+        if let Some(at) = want {
+            rs.deadline = Some(at);
+            self.deadlines.insert((at, room));
+        }
+    }
+
+    /// Drops every entry of a room.
+    fn remove_room(&mut self, room: Room) {
+        if let Some(rs) = self.rooms.remove(&room) {
+            if rs.sender.is_none() {
+                self.unopened = self.unopened.saturating_sub(1);
+            }
+            if let Some(at) = rs.deadline {
+                self.deadlines.remove(&(at, room));
+            }
+        }
+    }
+
+    fn metadata(
+        &mut self,
+        now: Instant,
+        req: TransferRequest,
+        out: &mut Vec<PrefillAction>,
+    ) -> Result<(), PrefillError> {
+        let room = req.room;
+        if !req.is_dummy() {
+            // Only a registered decode is ever written to or told anything: metadata naming an
+            // unknown session is dropped (no status to the endpoint it names).
+            let Some(entry) = self.sessions.get_mut(&req.session) else {
+                return Err(PrefillError::UnregisteredSession {
+                    room,
+                    session: req.session,
+                });
+            };
+            self.use_clock += 1;
+            entry.1 = self.use_clock;
+        }
+        if !self.rooms.contains_key(&room) {
+            if self.unopened >= self.cfg.max_unopened_rooms {
+                return Err(PrefillError::TooManyRooms(room));
+            }
+            self.unopened += 1;
+            self.rooms.insert(room, RoomState::new(now));
+            self.refresh_deadline(room);
+        }
+        let Some(rs) = self.rooms.get_mut(&room) else {
+            return Ok(());
         };
+        if rs.status.is_terminal() {
+            return Ok(());
+        }
+        let problem = (req.required_dst_info_num == 0).then(|| RoomError::BadMetadata {
+            room,
+            session: req.session.clone(),
+            what: "required_dst_info_num is 0",
+        });
         rs.required = req.required_dst_info_num;
         match rs.infos.iter_mut().find(|i| i.session == req.session) {
             Some(slot) => *slot = req,
@@ -288,12 +407,14 @@ impl PrefillManager {
         if let Some(err) = problem {
             self.fail(room, err, true, out);
             self.try_release(room, out);
-            return;
+            return Ok(());
         }
         if rs.infos.len() >= rs.required as usize {
             rs.prefix_len = rs.infos.iter().find_map(|i| i.decode_prefix_len);
             rs.status = rs.status.update(KVPoll::WaitingForInput);
         }
+        self.refresh_deadline(room);
+        Ok(())
     }
 
     fn sender_created(
@@ -302,19 +423,25 @@ impl PrefillManager {
         room: Room,
         out: &mut Vec<PrefillAction>,
     ) -> Result<(), PrefillError> {
-        let rs = self
-            .rooms
-            .entry(room)
-            .or_insert_with(|| RoomState::new(now));
-        if rs.sender.is_some() {
-            return Err(PrefillError::DuplicateSender(room));
-        }
+        let rs = match self.rooms.get_mut(&room) {
+            Some(rs) if rs.sender.is_some() => return Err(PrefillError::DuplicateSender(room)),
+            Some(rs) => {
+                self.unopened = self.unopened.saturating_sub(1);
+                rs
+            }
+            None => self.rooms.entry(room).or_insert_with(|| RoomState::new(now)),
+        };
         rs.sender = Some(Sender {
             created: now,
             init: None,
         });
         rs.status = rs.status.update(KVPoll::Bootstrapping);
-        if rs.status.is_terminal() {
+        let terminal = rs.status.is_terminal();
+        self.refresh_deadline(room);
+        let Some(rs) = self.rooms.get(&room) else {
+            return Ok(());
+        };
+        if terminal {
             // The room failed before its sender existed: tell the sender now.
             out.push(PrefillAction::Concluded {
                 room,
@@ -382,7 +509,7 @@ impl PrefillManager {
                 });
                 break;
             }
-            let Some(session) = self.sessions.get(sid) else {
+            let Some((session, _)) = self.sessions.get(sid) else {
                 error = Some(RoomError::UnregisteredSession {
                     room,
                     session: sid.clone(),
@@ -483,7 +610,7 @@ impl PrefillManager {
                 .cloned()
                 .unwrap_or_else(|| Endpoint::new(session.as_str(), 0));
             if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
-                self.failed.insert(session, until);
+                self.failed.insert(session.clone(), until);
             }
             let err = RoomError::Transfer {
                 room,
@@ -491,6 +618,26 @@ impl PrefillManager {
                 cause,
             };
             self.fail(room, err, true, out);
+            // sglang's rule: a failed transfer blacklists the decode session; every other open
+            // room writing to it fails now rather than one chunk at a time.
+            let others: Vec<Room> = self
+                .rooms
+                .iter()
+                .filter(|(r, rs)| {
+                    **r != room
+                        && !rs.status.is_terminal()
+                        && rs.infos.iter().any(|i| i.session == session && !i.is_dummy())
+                })
+                .map(|(r, _)| *r)
+                .collect();
+            for other in others {
+                let err = RoomError::SessionDead {
+                    room: other,
+                    session: session.clone(),
+                };
+                self.fail(other, err, true, out);
+                self.try_release(other, out);
+            }
         }
         self.maybe_succeed(room, out);
         self.try_release(room, out);
@@ -521,7 +668,7 @@ impl PrefillManager {
         };
         if generation.is_some() {
             for info in rs.infos.iter().filter(|i| i.endpoint == endpoint) {
-                if let Some(s) = self.sessions.get_mut(&info.session) {
+                if let Some((s, _)) = self.sessions.get_mut(&info.session) {
                     s.status_reason = true;
                 }
             }
@@ -549,34 +696,28 @@ impl PrefillManager {
         self.try_release(room, out);
     }
 
+    /// Handles every deadline due at `now` (only those: the cost is the rooms that expire).
     fn tick(&mut self, now: Instant, out: &mut Vec<PrefillAction>) {
         self.failed.retain(|_, &mut until| now < until);
-        let timeout = self.cfg.bootstrap_timeout;
-        let mut timed_out = Vec::new();
-        let mut orphans = Vec::new();
-        for (&room, rs) in &self.rooms {
+        while let Some(&(at, room)) = self.deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.deadlines.remove(&(at, room));
+            let Some(rs) = self.rooms.get_mut(&room) else {
+                continue;
+            };
+            rs.deadline = None;
             match rs.sender {
                 Some(s) if rs.status == KVPoll::Bootstrapping => {
                     let elapsed = now.saturating_duration_since(s.created);
-                    if elapsed >= timeout {
-                        timed_out.push((room, elapsed));
-                    }
+                    let err = RoomError::BootstrapTimeout { room, elapsed };
+                    self.fail(room, err, true, out);
+                    self.try_release(room, out);
                 }
-                None if now.saturating_duration_since(rs.first_seen) >= timeout => {
-                    orphans.push(room);
-                }
-                _ => {}
-            }
-        }
-        for (room, elapsed) in timed_out {
-            let err = RoomError::BootstrapTimeout { room, elapsed };
-            self.fail(room, err, true, out);
-            self.try_release(room, out);
-        }
-        // Metadata that never got a local sender: nobody will ever ask for it.
-        for room in orphans {
-            if self.rooms.get(&room).is_some_and(|r| r.inflight == 0) {
-                self.rooms.remove(&room);
+                // Metadata that never got a local sender: nobody will ever ask for it.
+                None if rs.inflight == 0 => self.remove_room(room),
+                _ => self.refresh_deadline(room),
             }
         }
     }
@@ -590,28 +731,45 @@ impl PrefillManager {
             return;
         }
         rs.status = KVPoll::Failed;
+        rs.failure = Some(err.clone());
+        let opened = rs.sender.is_some();
         if notify {
-            let reason = err.to_string();
-            for info in rs.infos.iter().filter(|i| !i.is_dummy()) {
-                out.push(PrefillAction::SendStatus {
-                    room,
-                    endpoint: info.endpoint.clone(),
-                    status: KVPoll::Failed,
-                    prefill_rank: self.rank,
-                    reason: Some(reason.clone()),
-                    with_reason: self
-                        .sessions
-                        .get(&info.session)
-                        .is_some_and(|s| s.status_reason),
-                });
+            // Status 0 only once nothing of the room can still land in the decode's pages.
+            rs.notify_pending = true;
+            if rs.inflight == 0 {
+                self.notify_failed(room, out);
             }
         }
-        rs.failure = Some(err.clone());
-        if rs.sender.is_some() {
+        if opened {
             out.push(PrefillAction::Concluded {
                 room,
                 status: KVPoll::Failed,
                 reason: Some(err),
+            });
+        }
+        self.refresh_deadline(room);
+    }
+
+    /// Tells every non-dummy decode of a failed room (status 0 with the reason), once.
+    fn notify_failed(&mut self, room: Room, out: &mut Vec<PrefillAction>) {
+        let Some(rs) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if !std::mem::take(&mut rs.notify_pending) {
+            return;
+        }
+        let reason = rs.failure.as_ref().map(ToString::to_string);
+        for info in rs.infos.iter().filter(|i| !i.is_dummy()) {
+            out.push(PrefillAction::SendStatus {
+                room,
+                endpoint: info.endpoint.clone(),
+                status: KVPoll::Failed,
+                prefill_rank: self.rank,
+                reason: reason.clone(),
+                with_reason: self
+                    .sessions
+                    .get(&info.session)
+                    .is_some_and(|s| s.0.status_reason),
             });
         }
     }
@@ -646,6 +804,7 @@ impl PrefillManager {
             status: KVPoll::Success,
             reason: None,
         });
+        self.refresh_deadline(room);
         self.try_release(room, out);
     }
 
@@ -658,7 +817,10 @@ impl PrefillManager {
         if rs.inflight > 0 {
             return;
         }
-        for (endpoint, generation) in rs.pending_acks.drain(..) {
+        let acks = std::mem::take(&mut rs.pending_acks);
+        let release = rs.status.is_terminal() && rs.sender.is_some();
+        self.notify_failed(room, out);
+        for (endpoint, generation) in acks {
             out.push(PrefillAction::AbortAck {
                 room,
                 endpoint,
@@ -666,8 +828,8 @@ impl PrefillManager {
                 generation,
             });
         }
-        if rs.status.is_terminal() && rs.sender.is_some() {
-            self.rooms.remove(&room);
+        if release {
+            self.remove_room(room);
         }
     }
 }

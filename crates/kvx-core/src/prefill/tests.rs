@@ -282,19 +282,20 @@ fn write_failure_fails_room_notifies_all_and_marks_session() {
         batch_id: b[0].0,
         result: Err("remote key rejected".into()),
     });
-    assert_eq!(
-        statuses(&a),
-        vec![(endpoint(2), KVPoll::Failed), (endpoint(3), KVPoll::Failed)]
-    );
+    // Nobody is told while the second batch may still write.
+    assert!(statuses(&a).is_empty());
     let reason = h.mgr.failure(r).unwrap().to_string();
     assert!(
         reason.contains("Failed to send kv chunk of 77") && reason.contains("remote key rejected")
     );
     assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
     assert!(h.mgr.session_failed(&session(2), h.now));
-    // The second batch drains; no second status, then the room is released.
+    // The second batch drains: every real decode is told once, then the room is released.
     let a = h.ev(done(b[1].0));
-    assert!(statuses(&a).is_empty());
+    assert_eq!(
+        statuses(&a),
+        vec![(endpoint(2), KVPoll::Failed), (endpoint(3), KVPoll::Failed)]
+    );
     assert!(h.mgr.live_entries().is_empty());
 
     // Another room towards the failed session fails at once, without a write.
@@ -524,10 +525,13 @@ fn reason_frame_only_to_decodes_that_accept_it() {
         chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]).last(),
     });
     let b = batches(&a);
-    let a = h.ev(PrefillEvent::BatchDone {
+    let mut a = h.ev(PrefillEvent::BatchDone {
         batch_id: b[0].0,
         result: Err("injected".into()),
     });
+    // The statuses leave once the room's other batch drained.
+    assert!(statuses(&a).is_empty());
+    a.extend(h.ev(done(b[1].0)));
     assert_eq!(
         reason_frames(&a),
         vec![(endpoint(2), false), (endpoint(3), true)]
@@ -619,33 +623,157 @@ fn dcp_mismatch_registration_is_refused() {
         assert!(out.is_empty());
         assert!(h.mgr.registration(&session(2)).is_none());
     }
-    // The refused session stays unknown: its metadata fails the room.
+    // The refused session stays unknown: its metadata is refused, nothing is sent.
     let r = room(29);
-    let a = h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)));
-    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    let err = h
+        .mgr
+        .handle(h.now, PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)), &mut out)
+        .unwrap_err();
+    assert_eq!(err.kind(), "unregistered_session");
+    assert!(out.is_empty());
+    assert_eq!(h.mgr.poll(r), None);
     // DCP 1 rank 0 is accepted.
     h.ev(PrefillEvent::Register(registration(2, 1)));
     assert!(h.mgr.registration(&session(2)).is_some());
 }
 
 #[test]
-fn unknown_session_fails_room_before_sender() {
+fn metadata_from_an_unregistered_session_is_refused_and_reflects_nothing() {
+    // Before: the room failed and status 0 went to whatever endpoint the metadata named (a
+    // reflector for anyone who can reach the inbox).
     let mut h = Harness::new(PrefillConfig::default());
     let r = room(31);
-    let a = h.ev(PrefillEvent::Metadata(metadata(r, 5, Some(vec![1]), 1)));
-    assert_eq!(statuses(&a), vec![(endpoint(5), KVPoll::Failed)]);
-    assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
-    // Held until the sender exists, then concluded and released.
-    let a = h.ev(PrefillEvent::SenderCreated { room: r });
-    assert!(matches!(
-        a.as_slice(),
-        [PrefillAction::Concluded {
-            status: KVPoll::Failed,
-            reason: Some(RoomError::UnregisteredSession { .. }),
-            ..
-        }]
-    ));
+    let mut out = Vec::new();
+    let err = h
+        .mgr
+        .handle(h.now, PrefillEvent::Metadata(metadata(r, 5, Some(vec![1]), 1)), &mut out)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        PrefillError::UnregisteredSession {
+            room: r,
+            session: session(5)
+        }
+    );
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(h.mgr.poll(r), None);
     assert!(h.mgr.live_entries().is_empty());
+    // A dummy (no destination) needs no registration.
+    h.ev(PrefillEvent::Metadata(metadata(r, 5, None, 1)));
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::WaitingForInput));
+}
+
+#[test]
+fn failed_status_waits_until_the_rooms_writes_drained() {
+    // Before: status 0 went out while a batch of the room was still on the wire, so the decode
+    // could reuse pages a late write then landed in.
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(41);
+    let a = h.one_page_room(r, 1);
+    let b = batches(&a);
+    assert_eq!(b.len(), 1);
+    let a = h.ev(PrefillEvent::SenderFailed {
+        room: r,
+        reason: "the embedder gave up".into(),
+    });
+    assert!(statuses(&a).is_empty(), "{a:?}");
+    assert_eq!(h.mgr.poll(r), Some(KVPoll::Failed));
+    let a = h.ev(done(b[0].0));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    assert!(a.iter().any(|x| matches!(
+        x,
+        PrefillAction::SendStatus { reason: Some(t), .. } if t == "the embedder gave up"
+    )));
+    assert!(h.mgr.live_entries().is_empty());
+}
+
+#[test]
+fn a_failed_batch_fails_every_open_room_of_its_session() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let (r1, r2) = (room(51), room(52));
+    let a = h.one_page_room(r1, 1);
+    h.open(r2);
+    h.ev(PrefillEvent::Metadata(metadata(r2, 2, Some(vec![2]), 1)));
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: batches(&a)[0].0,
+        result: Err("connection reset".into()),
+    });
+    assert_eq!(
+        statuses(&a),
+        vec![(endpoint(2), KVPoll::Failed), (endpoint(2), KVPoll::Failed)]
+    );
+    // Room 2 (nothing in flight) was told why and released.
+    assert!(a.iter().any(|x| matches!(
+        x,
+        PrefillAction::SendStatus { room, reason: Some(t), .. } if *room == r2 && t.contains("not alive")
+    )));
+    assert_eq!(h.mgr.poll(r2), None);
+    assert!(h.mgr.live_entries().is_empty());
+}
+
+#[test]
+fn registrations_are_bounded_and_replaced_on_re_registration() {
+    let cfg = PrefillConfig {
+        max_sessions: 2,
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    for n in [2, 3] {
+        h.ev(PrefillEvent::Register(registration(n, 1)));
+    }
+    // Session 2 is used (metadata) after 3 registered: 3 is the least recently used.
+    h.ev(PrefillEvent::Metadata(metadata(room(1), 2, None, 1)));
+    h.ev(PrefillEvent::Metadata(metadata(room(1), 2, Some(vec![1]), 1)));
+    h.ev(PrefillEvent::Register(registration(4, 1)));
+    assert_eq!(h.mgr.live_entries().sessions, 2);
+    assert!(h.mgr.registration(&session(3)).is_none());
+    assert!(h.mgr.registration(&session(2)).is_some());
+    // A decode inbox that registers a new session (a restarted decode) replaces its old one.
+    let restarted = DecodeRegistration {
+        session: SessionId::new("10.0.0.2:16000"),
+        ..registration(2, 1)
+    };
+    h.ev(PrefillEvent::Register(restarted));
+    assert!(h.mgr.registration(&session(2)).is_none());
+    assert!(h.mgr.registration(&SessionId::new("10.0.0.2:16000")).is_some());
+    assert_eq!(h.mgr.live_entries().sessions, 2);
+}
+
+#[test]
+fn unopened_rooms_are_bounded_and_expire_at_their_deadline() {
+    let cfg = PrefillConfig {
+        max_unopened_rooms: 2,
+        unopened_room_ttl: Duration::from_secs(20),
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert_eq!(h.mgr.poll_timeout(), None);
+    for n in [1, 2] {
+        h.ev(PrefillEvent::Metadata(metadata(room(n), 2, Some(vec![1]), 1)));
+    }
+    let mut out = Vec::new();
+    let meta = PrefillEvent::Metadata(metadata(room(3), 2, Some(vec![1]), 1));
+    assert_eq!(
+        h.mgr.handle(h.now, meta, &mut out),
+        Err(PrefillError::TooManyRooms(room(3)))
+    );
+    assert_eq!(h.mgr.live_entries().unopened_rooms, 2);
+    // Opening one frees its slot; its deadline becomes the bootstrap timeout.
+    h.open(room(1));
+    assert_eq!(h.mgr.live_entries().unopened_rooms, 1);
+    assert_eq!(h.mgr.poll_timeout(), Some(h.now + Duration::from_secs(20)));
+    // A tick before the deadline changes nothing.
+    h.now += Duration::from_secs(19);
+    h.ev(PrefillEvent::Tick);
+    assert_eq!(h.mgr.poll(room(2)), Some(KVPoll::WaitingForInput));
+    h.now += Duration::from_secs(1);
+    h.ev(PrefillEvent::Tick);
+    assert_eq!(h.mgr.poll(room(2)), None);
+    let e = h.mgr.live_entries();
+    assert_eq!((e.rooms, e.unopened_rooms, e.deadlines), (1, 0, 0));
+    // Room 1 is WaitingForInput with a sender: nothing timed is left.
+    assert_eq!(h.mgr.poll_timeout(), None);
 }
 
 #[test]
@@ -773,7 +901,7 @@ fn chunk_past_sender_pages_fails() {
 }
 
 #[test]
-fn fatal_fails_every_open_room_and_forgets_batches() {
+fn fatal_fails_every_open_room_and_releases_after_the_writes_drained() {
     let mut h = Harness::new(PrefillConfig::default());
     h.ev(PrefillEvent::Register(registration(2, 1)));
     let (a_room, b_room) = (room(71), room(72));
@@ -790,16 +918,16 @@ fn fatal_fails_every_open_room_and_forgets_batches() {
     let a = h.ev(PrefillEvent::Fatal {
         reason: "Transfer thread failed because of poisoned transport".into(),
     });
-    assert_eq!(
-        statuses(&a),
-        vec![(endpoint(2), KVPoll::Failed), (endpoint(2), KVPoll::Failed)]
-    );
+    // Before: both rooms were told and released at once while room a's batch was still being
+    // written by another worker. Now room b (nothing in flight) is told at once; room a is held
+    // and told once its batch came back.
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    assert_eq!(h.mgr.poll(a_room), Some(KVPoll::Failed));
+    assert_eq!(h.mgr.poll(b_room), None);
+    assert_eq!(h.mgr.live_entries().batches, 1);
+    let a = h.ev(done(posted[0].0));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
     assert!(h.mgr.live_entries().is_empty());
-    let mut out = Vec::new();
-    assert_eq!(
-        h.mgr.handle(h.now, done(posted[0].0), &mut out),
-        Err(PrefillError::UnknownBatch(posted[0].0))
-    );
 }
 
 #[test]
@@ -1055,6 +1183,16 @@ impl Harness {
                 let drained = self.mgr.rooms.get(room).is_none_or(|rs| rs.inflight == 0);
                 prop_assert!(drained, "ABORT_ACK for {} with writes in flight", room);
                 prop_assert_eq!(*generation, (room.get() % 2 == 0).then_some(room.get()));
+            }
+            // A Failed status leaves only once nothing of the room can still be written.
+            if let PrefillAction::SendStatus {
+                room,
+                status: KVPoll::Failed,
+                ..
+            } = a
+            {
+                let drained = self.mgr.rooms.get(room).is_none_or(|rs| rs.inflight == 0);
+                prop_assert!(drained, "status 0 for {} with writes in flight", room);
             }
         }
         Ok(())

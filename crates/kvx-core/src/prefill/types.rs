@@ -10,6 +10,12 @@ use crate::{Chunk, KVPoll, PageSlice, Room, TransferOp};
 /// sglang's default bootstrap timeout (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
 pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Default of [`PrefillConfig::max_sessions`].
+pub const DEFAULT_MAX_SESSIONS: usize = 4096;
+
+/// Default of [`PrefillConfig::max_unopened_rooms`].
+pub const DEFAULT_MAX_UNOPENED_ROOMS: usize = 65_536;
+
 /// Default lifetime of a failed-session mark (sglang keeps them forever; kvx lets them expire).
 pub const DEFAULT_FAILED_SESSION_TTL: Duration = Duration::from_secs(30);
 
@@ -40,6 +46,14 @@ pub struct PrefillConfig {
     pub staging: bool,
     /// Send aux rows as `AUX_DATA` messages instead of writes (`SGLANG_MOONCAKE_SEND_AUX_TCP`).
     pub aux_over_tcp: bool,
+    /// Most decode sessions whose registration is held; a new one beyond it evicts the least
+    /// recently used (network-fed state stays bounded).
+    pub max_sessions: usize,
+    /// Most rooms held whose metadata arrived but whose local sender does not exist yet;
+    /// metadata for a new room beyond it is refused ([`PrefillError::TooManyRooms`]).
+    pub max_unopened_rooms: usize,
+    /// Metadata of a room whose local sender never appears is dropped after this.
+    pub unopened_room_ttl: Duration,
 }
 
 impl Default for PrefillConfig {
@@ -54,6 +68,9 @@ impl Default for PrefillConfig {
             total_kv_heads: 1,
             bootstrap_timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
             failed_session_ttl: DEFAULT_FAILED_SESSION_TTL,
+            max_sessions: DEFAULT_MAX_SESSIONS,
+            max_unopened_rooms: DEFAULT_MAX_UNOPENED_ROOMS,
+            unopened_room_ttl: DEFAULT_BOOTSTRAP_TIMEOUT,
             batch_limits: BatchLimits::default(),
             staging: false,
             aux_over_tcp: false,
@@ -147,19 +164,22 @@ pub enum PrefillEvent {
         room: Room,
     },
     /// The sender failed the room for a reason of its own (a staging failure, a room larger
-    /// than its pool). Like [`PrefillEvent::LocalAbort`] the manager sends nothing: the driver
-    /// tells the room's decodes, with `reason`.
+    /// than its pool, a write the decode rejected): every non-dummy decode of the room is told
+    /// (status 0, `reason` as the 4th frame where the decode takes one) once nothing of the room
+    /// is in flight.
     SenderFailed {
         /// The room.
         room: Room,
         /// Why (recorded as the room's failure reason).
         reason: String,
     },
-    /// Time passed (bootstrap timeouts, failed-session expiry).
+    /// Time passed (bootstrap timeouts, unopened-room TTLs, failed-session expiry); send it at
+    /// [`super::PrefillManager::poll_timeout`] (earlier or later is harmless).
     Tick,
     /// The engine hit a fatal error (a worker died, the transport is poisoned): every open room
-    /// fails with `reason` and every non-dummy decode is told; outstanding batches are forgotten
-    /// (their completions will never come; late ones are dropped as unknown).
+    /// fails with `reason` and every non-dummy decode is told once the room's writes drained.
+    /// Outstanding batches stay outstanding: the driver still reports each one (`BatchDone`)
+    /// once nothing of it can reach the decode, and only then are the rooms released.
     Fatal {
         /// The inner cause, as the supervisor reports it.
         reason: String,
@@ -394,6 +414,19 @@ pub enum PrefillError {
     /// The event names a room this rank does not know.
     #[error("unknown room {0}")]
     UnknownRoom(Room),
+    /// Metadata for a room from a decode session that never registered: dropped, and nothing
+    /// is sent to the endpoint it names (the prefill is no reflector).
+    #[error("metadata for {room} from unregistered decode session {session} dropped")]
+    UnregisteredSession {
+        /// The room.
+        room: Room,
+        /// The session the metadata named.
+        session: SessionId,
+    },
+    /// Metadata for a new room while [`PrefillConfig::max_unopened_rooms`] rooms wait for
+    /// their sender.
+    #[error("metadata for {0} refused: too many rooms wait for their sender")]
+    TooManyRooms(Room),
     /// A completion for a batch that is not outstanding.
     #[error("unknown batch {0:?}")]
     UnknownBatch(BatchId),
@@ -424,6 +457,8 @@ impl PrefillError {
     pub fn kind(&self) -> &'static str {
         match self {
             PrefillError::UnknownRoom(_) => "unknown_room",
+            PrefillError::UnregisteredSession { .. } => "unregistered_session",
+            PrefillError::TooManyRooms(_) => "too_many_rooms",
             PrefillError::UnknownBatch(_) => "unknown_batch",
             PrefillError::DuplicateSender(_) => "duplicate_sender",
             PrefillError::ChunkAfterLast(_) => "chunk_after_last",
@@ -433,7 +468,8 @@ impl PrefillError {
     }
 }
 
-/// Counts of live per-room entries (all zero once every room concluded and drained).
+/// Counts of live entries: per room (all zero once every room concluded and drained) and per
+/// decode session (bounded by [`PrefillConfig::max_sessions`], replaced on re-registration).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LiveEntries {
     /// Rooms held.
@@ -444,11 +480,23 @@ pub struct LiveEntries {
     pub batches: usize,
     /// ABORT_ACKs waiting for a drain.
     pub pending_acks: usize,
+    /// Rooms held whose local sender does not exist yet (a subset of `rooms`).
+    pub unopened_rooms: usize,
+    /// Pending room deadlines (bootstrap timeouts, unopened-room TTLs).
+    pub deadlines: usize,
+    /// Decode sessions registered (per peer, not per room).
+    pub sessions: usize,
+    /// Decode sessions marked failed (expire after the TTL).
+    pub failed_sessions: usize,
 }
 
 impl LiveEntries {
-    /// True when nothing per-room is held.
+    /// True when nothing per-room is held (sessions are per-peer state and may remain).
     pub fn is_empty(&self) -> bool {
-        *self == LiveEntries::default()
+        LiveEntries {
+            sessions: 0,
+            failed_sessions: 0,
+            ..*self
+        } == LiveEntries::default()
     }
 }
