@@ -428,14 +428,15 @@ impl Peer {
     fn verify(&self, room: Room, pages: &[i32], row: u64) -> Option<u64> {
         let l = &self.cfg.layout;
         let mut bytes = 0;
+        // Copies, not views: a late write from the prefill may still land in these pages.
+        let mut data = vec![0u8; usize::try_from(l.item_len).ok()?];
         for b in 0..l.num_buffers {
             let base = l.buffer_addr(self.kv.base(), b);
             for (i, &p) in pages.iter().enumerate() {
-                let data = self
-                    .kv
-                    .read(base + p as u64 * l.item_len, l.item_len)
+                self.kv
+                    .copy_out(base + p as u64 * l.item_len, &mut data)
                     .ok()?;
-                if !l.check_kv(data, room.get(), b as u32, i as u32) {
+                if !l.check_kv(&data, room.get(), b as u32, i as u32) {
                     tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
                     return None;
                 }
@@ -449,21 +450,19 @@ impl Peer {
             let at = ptr + row * len;
             ok &= if i == model::AUX_ROOM_INDEX {
                 // sglang's decode admits the request only when the slot holds the room.
-                self.aux.read(at, len).is_ok_and(|d| {
+                self.aux.to_vec(at, len).is_ok_and(|d| {
                     d.split_first_chunk::<8>()
                         .is_some_and(|(head, _)| *head == room.get().to_le_bytes())
                 })
             } else {
                 self.aux
-                    .read(at, len)
-                    .is_ok_and(|d| model::check_aux(d, room.get(), i))
+                    .to_vec(at, len)
+                    .is_ok_and(|d| model::check_aux(&d, room.get(), i))
             };
         }
         // sglang zeroes the room slot of a used aux row.
         let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
-        let _ = self
-            .aux
-            .write_with(slot, model::AUX_ROOM_LEN, |s| s.fill(0));
+        let _ = self.aux.fill(slot, model::AUX_ROOM_LEN, 0);
         if !ok {
             tracing::error!(%room, row, "aux row differs from the pattern");
             return None;

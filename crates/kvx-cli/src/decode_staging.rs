@@ -213,7 +213,9 @@ impl DecodeStager {
                 .checked_add(layout.writer_offset(w, job.num_pages))
                 .ok_or_else(|| StagingError::Geometry("ring offset overflows".into()))?;
             let len = layout.writer_bytes(w, job.num_pages);
-            let block = self.ring.read(self.ring.base().saturating_add(off), len)?;
+            let block = self
+                .ring
+                .to_vec(self.ring.base().saturating_add(off), len)?;
             let page_bytes = spec.block_len(1, 1);
             if spec.block_len(l.num_buffers, n) != block.len() {
                 return Err(StagingError::Geometry(format!(
@@ -230,9 +232,14 @@ impl DecodeStager {
                     let addr = base.saturating_add(page.saturating_mul(l.item_len));
                     let at = (b * n + i) * page_bytes;
                     let src = &block[at..at + page_bytes];
-                    self.kv.write_with(addr, l.item_len, |dst| {
-                        kvx_staging::scatter(&spec, src, &mut [dst], &[0])
-                    })??;
+                    // SAFETY: the room's pages are written here only: every prefill writer of
+                    // this chunk reported CHUNK_READY (its data-plane write into the ring is
+                    // done), and no prefill writes KV pages of a staged room directly.
+                    unsafe {
+                        self.kv.with_mut(addr, l.item_len, |dst| {
+                            kvx_staging::scatter(&spec, src, &mut [dst], &[0])
+                        })
+                    }??;
                 }
             }
         }

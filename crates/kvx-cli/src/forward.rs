@@ -38,9 +38,13 @@ impl SyntheticModel {
             let base = l.buffer_addr(self.kv.base(), b);
             for (i, &p) in pages.iter().enumerate() {
                 let addr = base + p as u64 * l.item_len;
-                let _ = self.kv.write_with(addr, l.item_len, |s| {
-                    l.fill_kv(s, room.get(), b as u32, i as u32)
-                });
+                // SAFETY: the pages were just taken from the pool for this room: nothing reads
+                // them (the engine gets the room's chunks only after this fill) or writes them.
+                let _ = unsafe {
+                    self.kv.with_mut(addr, l.item_len, |s| {
+                        l.fill_kv(s, room.get(), b as u32, i as u32)
+                    })
+                };
             }
         }
         // Every aux data buffer's row; the room buffer's row is the engine's (`FillRoomRow`).
@@ -50,9 +54,11 @@ impl SyntheticModel {
                 continue;
             }
             let len = lens[i];
-            let _ = self
-                .aux
-                .write_with(ptr + row * len, len, |s| model::fill_aux(s, room.get(), i));
+            // SAFETY: the row was just taken for this room, as its pages (above).
+            let _ = unsafe {
+                self.aux
+                    .with_mut(ptr + row * len, len, |s| model::fill_aux(s, room.get(), i))
+            };
         }
     }
 

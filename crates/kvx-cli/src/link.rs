@@ -56,11 +56,8 @@ pub fn send(args: SendArgs) -> Result<i32> {
     let batch = args.batch.max(1) as u64;
     let total = args.total_mib.max(1) << 20;
     let src = Arc::new(Region::new((size * batch) as usize));
-    let _ = src.write_with(src.base(), src.len(), |s| {
-        for (i, b) in s.iter_mut().enumerate() {
-            *b = (i % 251) as u8;
-        }
-    });
+    let pattern: Vec<u8> = (0..src.len()).map(|i| (i % 251) as u8).collect();
+    let _ = src.copy_in(src.base(), &pattern);
     let bar = {
         use std::io::IsTerminal as _;
         (!args.no_progress && std::io::stderr().is_terminal()).then(|| {

@@ -524,15 +524,6 @@ impl StagingDriver {
         }
     }
 
-    /// Forgets everything: after a fatal worker fault the room manager failed every open room
-    /// and forgot every outstanding batch, so no completion is owed any more (chunks still
-    /// queued complete into nothing).
-    pub fn reset(&mut self) {
-        self.state = PrefillStaging::new();
-        self.rooms.clear();
-        self.pending.clear();
-    }
-
     /// Rooms (per decode session) with staging state.
     pub fn room_count(&self) -> usize {
         self.rooms.len()

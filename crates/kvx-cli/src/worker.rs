@@ -1,31 +1,34 @@
-//! Transfer workers: one thread per queue shard, each posting the room manager's batches in
-//! order, and the supervisor that catches a dead worker.
+//! Transfer workers: one thread per queue shard, each executing the batches the engine's loop
+//! hands it, in order, and reporting every one back.
 //!
-//! A worker pops a batch the `kvx-core` prefill manager planned, posts it on its cached
-//! `kvx-rdma` session to the decode and feeds the completion back (`BatchDone`). A per-room error
-//! (a failed or rejected write, a lost peer) comes back as `Ok(Err(reason))` and only fails that
-//! room. A staged chunk ([`Work::Stage`]) is first gathered into the worker's registered staging
-//! buffer, written with one op into the decode's ring, and announced with `CHUNK_READY` before
-//! its completion goes back (so it precedes the room's status on the decode's socket). A fatal
-//! fault — a panic, an injected fault — ends the worker; the supervisor turns it
-//! into [`TransferThreadFailed`], counts it by cause, fails every open room through the manager's
-//! `Fatal` event (every decode gets status 0), and restarts the worker or hands the error to the
-//! process.
+//! A worker owns no room state: it pops a [`Job`] (a batch the `kvx-core` prefill manager
+//! planned, or a staged chunk), posts it on its cached `kvx-rdma` session to the decode and sends
+//! the [`Outcome`] back to the loop ([`crate::engine`]'s one owner), which feeds the manager. A
+//! job whose room was failed meanwhile (its cancel flag is set by the loop) is reported
+//! [`Outcome::Skipped`] without a write. A staged chunk ([`Work::Stage`]) is first gathered into
+//! the worker's registered staging buffer and written with one op into the decode's ring; the
+//! loop sends its `CHUNK_READY`. A fatal fault — a panic, an injected fault — ends the worker:
+//! it reports the job it died on and the fault in one [`Report::Died`], after which nothing more
+//! of that job can be written by this thread. The loop turns it into
+//! [`crate::fault::TransferThreadFailed`], fails every open room and restarts the worker or
+//! stops the rank.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvx_core::prefill::{BatchId, PrefillEvent};
-use kvx_core::{KVPoll, Room, SessionId, TransferOp};
+use kvx_core::prefill::BatchId;
+use kvx_core::{Room, SessionId, TransferOp};
 use kvx_rdma::{Session, TransportError};
 
-use crate::engine::{Notice, Shared};
-use crate::fault::{TransferThreadFailed, WorkerFault};
+use crate::engine::PrefillMemory;
+use crate::fault::WorkerFault;
+use crate::plane::DataPlane;
 use crate::prefill_staging::StageWork;
+use crate::region::Region;
 
 /// One unit of work for a transfer worker, towards one decode session.
 #[derive(Debug)]
@@ -36,6 +39,8 @@ pub struct Job {
     pub session: SessionId,
     /// What to write.
     pub work: Work,
+    /// Set by the engine's loop once the room is terminal: the job is skipped, not written.
+    pub cancel: Arc<AtomicBool>,
 }
 
 /// What a job writes.
@@ -48,172 +53,165 @@ pub enum Work {
         /// The writes.
         ops: Vec<TransferOp>,
     },
-    /// A staged chunk: gather, one write into the decode's ring, `CHUNK_READY`.
+    /// A staged chunk: gather, one write into the decode's ring (the loop sends `CHUNK_READY`).
     Stage(Box<StageWork>),
 }
 
 /// The queue end a worker (and its replacement) reads.
 pub type JobQueue = Arc<Mutex<Receiver<Job>>>;
 
-/// What a worker thread reports when it ends.
-struct Exit {
-    shard: usize,
-    result: Result<(), WorkerFault>,
+/// How one job ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every write landed.
+    Done,
+    /// Nothing written: the room is no longer waiting for input (failed or gone meanwhile).
+    Skipped,
+    /// The decode session is unusable (unreachable, lost): fails the room and blacklists the
+    /// session (every other open room towards it fails too).
+    PeerFailed(String),
+    /// Only this room is affected (rejected writes, an injected per-room fault).
+    RoomFailed(String),
+}
+
+/// What a worker tells the engine's loop.
+#[derive(Debug)]
+pub enum Report {
+    /// A job finished; nothing of it can still reach the decode.
+    Finished {
+        /// The queue shard.
+        shard: usize,
+        /// The job (its ops already consumed).
+        job: Job,
+        /// How it ended.
+        outcome: Outcome,
+    },
+    /// The worker died on `job` (if it held one) with `fault`; it writes nothing more.
+    Died {
+        /// The queue shard.
+        shard: usize,
+        /// The job it was executing.
+        job: Option<Job>,
+        /// Why.
+        fault: WorkerFault,
+    },
+}
+
+/// What every worker of a rank shares (read-only).
+pub(crate) struct WorkerCtx {
+    pub(crate) mem: PrefillMemory,
+    pub(crate) plane: DataPlane,
+    pub(crate) rt: tokio::runtime::Handle,
+    /// One registered staging buffer per transfer queue (gather target of its worker).
+    pub(crate) stage_bufs: Vec<Arc<Region>>,
+    pub(crate) stop: Arc<AtomicBool>,
+    /// Decode sessions a worker found dead, until when: the jobs queued behind the failed one
+    /// fail at once, without a connect attempt each, before the loop has even seen the failure
+    /// (all jobs of a session share one queue). The loop clears a mark when the session
+    /// registers again.
+    pub(crate) dead_sessions: Mutex<HashMap<SessionId, Instant>>,
+}
+
+impl WorkerCtx {
+    /// Forgets that `session` was found dead (it registered again).
+    pub(crate) fn revive(&self, session: &SessionId) {
+        lock(&self.dead_sessions).remove(session);
+    }
+
+    fn is_dead(&self, session: &SessionId) -> bool {
+        let mut dead = lock(&self.dead_sessions);
+        let now = Instant::now();
+        dead.retain(|_, until| *until > now);
+        dead.contains_key(session)
+    }
+
+    fn mark_dead(&self, session: &SessionId) {
+        let until = Instant::now() + kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
+        lock(&self.dead_sessions).insert(session.clone(), until);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Starts `queues.len()` workers and their supervisor.
-pub(crate) fn spawn_all(shared: Arc<Shared>, queues: Vec<JobQueue>) -> std::io::Result<()> {
-    let (exit_tx, exit_rx) = std::sync::mpsc::channel::<Exit>();
-    for (shard, q) in queues.iter().enumerate() {
-        spawn_worker(shared.clone(), shard, q.clone(), exit_tx.clone())?;
-    }
-    std::thread::Builder::new()
-        .name("kvx-supervisor".into())
-        .spawn(move || supervise(shared, queues, exit_rx, exit_tx))?;
-    Ok(())
-}
-
-fn spawn_worker(
-    shared: Arc<Shared>,
+/// Starts the worker of `shard`, reporting to `reports`.
+pub(crate) fn spawn_worker<R: From<Report> + Send + 'static>(
+    ctx: Arc<WorkerCtx>,
     shard: usize,
     queue: JobQueue,
-    exit: Sender<Exit>,
+    reports: SyncSender<R>,
 ) -> std::io::Result<()> {
     metrics::gauge!("kvx_live_workers").increment(1.0);
     std::thread::Builder::new()
         .name(format!("kvx-transfer-{shard}"))
         .spawn(move || {
-            let result =
-                std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, shard, &queue)))
-                    .unwrap_or_else(|p| Err(WorkerFault::from_panic(p.as_ref())));
+            let died = worker_loop(&ctx, shard, &queue, &reports);
             metrics::gauge!("kvx_live_workers").decrement(1.0);
-            let _ = exit.send(Exit { shard, result });
+            if let Some((job, fault)) = died {
+                let _ = reports.send(Report::Died { shard, job, fault }.into());
+            }
         })?;
     Ok(())
 }
 
-fn supervise(
-    shared: Arc<Shared>,
-    queues: Vec<JobQueue>,
-    exits: Receiver<Exit>,
-    exit_tx: Sender<Exit>,
-) {
-    while let Ok(Exit { shard, result }) = exits.recv() {
-        let Err(inner) = result else {
-            continue;
-        };
-        let cause = inner.cause();
-        let err = TransferThreadFailed {
-            inner,
-            bootstrap_port: shared.cfg.bootstrap_port,
-            shard,
-        };
-        tracing::error!(shard, cause, "{err}");
-        metrics::counter!("kvx_worker_failures_total", "cause" => cause).increment(1);
-        let text = err.to_string();
-        // Every open room fails and its decodes are told (status 0); the manager forgets the
-        // outstanding batches, the one the worker died on included. The decode sessions stay
-        // usable: the fault was ours, not theirs.
-        let _ = shared.handle(PrefillEvent::Fatal { reason: text });
-        // The manager forgot every outstanding batch: the staging driver owes none either.
-        shared.with_staging(|d, _| d.reset());
-        if shared.cfg.restart_workers && !shared.stop.load(Ordering::Relaxed) {
-            metrics::counter!("kvx_worker_restarts_total").increment(1);
-            if let Err(e) = spawn_worker(
-                shared.clone(),
-                shard,
-                queues[shard].clone(),
-                exit_tx.clone(),
-            ) {
-                tracing::error!(error = %e, "cannot restart transfer worker");
-            }
-        } else {
-            shared.flush_notices(Duration::from_millis(500));
-            shared.set_fatal(err);
-        }
-    }
-}
-
-fn worker_loop(
-    shared: &Shared,
+/// Runs jobs until the rank stops (`None`) or a fatal fault (`Some((job, fault))`).
+fn worker_loop<R: From<Report>>(
+    ctx: &WorkerCtx,
     shard: usize,
     queue: &Mutex<Receiver<Job>>,
-) -> Result<(), WorkerFault> {
+    reports: &SyncSender<R>,
+) -> Option<(Option<Job>, WorkerFault)> {
     let mut sessions: HashMap<SessionId, (Arc<dyn Session>, Instant)> = HashMap::new();
     loop {
-        if shared.stop.load(Ordering::Relaxed) {
-            return Ok(());
+        if ctx.stop.load(Ordering::Relaxed) {
+            return None;
         }
-        let job = match lock(queue).recv_timeout(Duration::from_millis(100)) {
+        let next = lock(queue).recv_timeout(Duration::from_millis(100));
+        let mut job = match next {
             Ok(j) => j,
             Err(RecvTimeoutError::Timeout) => {
                 // A departed decode leaves no connection behind.
                 sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
                 continue;
             }
-            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => return None,
         };
-        let Job {
-            room,
-            session,
-            mut work,
-        } = job;
-        let result = execute(shared, shard, &mut sessions, room, &session, &mut work)?;
-        match result {
-            Outcome::Done => complete(shared, work, Ok(()), true),
-            Outcome::Skipped => complete(shared, work, Ok(()), false),
-            Outcome::PeerFailed(reason) => {
-                // sglang's rule: a failed transfer blacklists the decode session; every other
-                // open room writing to it fails now rather than one chunk at a time.
-                complete(shared, work, Err(reason.clone()), false);
-                shared.fail_session_rooms(&session, &reason);
-            }
-            Outcome::RoomFailed(reason) => {
-                // One room's problem: fail it, tell every decode rank of the room (not only
-                // this session's: the others would wait for their timeout), keep the session.
-                let endpoint = lock(&shared.table)
-                    .registration(&session)
-                    .map(|r| r.endpoint.clone());
-                shared.fail_room_and(room, &reason, endpoint.map(|e| (session.clone(), e)));
-                complete(shared, work, Ok(()), false);
-            }
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            execute(ctx, shard, &mut sessions, &mut job)
+        }));
+        let outcome = match run {
+            Ok(Ok(o)) => o,
+            Ok(Err(fault)) => return Some((Some(job), fault)),
+            Err(p) => return Some((Some(job), WorkerFault::from_panic(p.as_ref()))),
+        };
+        if reports
+            .send(
+                Report::Finished {
+                    shard,
+                    job,
+                    outcome,
+                }
+                .into(),
+            )
+            .is_err()
+        {
+            return None;
         }
         sessions.retain(|_, (s, _)| s.is_alive());
     }
 }
 
-/// Reports a finished job: a batch to the manager; a staged chunk to the staging driver, after
-/// its `CHUNK_READY` when it was `written`.
-fn complete(shared: &Shared, work: Work, result: Result<(), String>, written: bool) {
-    match work {
-        Work::Batch { batch_id, .. } => {
-            let _ = shared.handle(PrefillEvent::BatchDone { batch_id, result });
-        }
-        Work::Stage(w) => {
-            if written {
-                let rank = lock(&shared.table).prefill_unique_rank();
-                let frames = crate::wire::encode_chunk_ready(&w.chunk_ready(rank));
-                shared.notify(Notice::Send(w.endpoint.clone(), frames));
-            }
-            shared.with_staging(|d, fx| d.chunk_done(&w.batches, result, fx));
-        }
-    }
-}
-
 /// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
-/// the chunk's own pages are borrowed), and returns the one write that carries the block.
-fn gather_chunk(shared: &Shared, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
-    let buf = shared
+/// the chunk's own pages are read), and returns the one write that carries the block.
+fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
+    let buf = ctx
         .stage_bufs
         .get(shard)
         .ok_or("no staging buffer for this queue")?;
     let n = w.src_pages.len();
     let page_bytes = w.spec.block_len(1, 1);
-    let need = w.spec.block_len(shared.mem.kv_ptrs.len(), n);
+    let need = w.spec.block_len(ctx.mem.kv_ptrs.len(), n);
     if need as u64 != w.len || w.len > buf.len() {
         return Err(format!(
             "staged block of {} bytes does not match the slice ({need}) or the buffer ({})",
@@ -221,25 +219,29 @@ fn gather_chunk(shared: &Shared, shard: usize, w: &StageWork) -> Result<Transfer
             buf.len()
         ));
     }
-    let kv = &shared.mem.kv;
+    let kv = &ctx.mem.kv;
     let item = w.spec.item_len as u64;
-    buf.write_with(buf.base(), w.len, |out| {
-        for (b, &ptr) in shared.mem.kv_ptrs.iter().enumerate() {
+    let gather_all = |out: &mut [u8]| -> Result<(), String> {
+        for (b, &ptr) in ctx.mem.kv_ptrs.iter().enumerate() {
             for (i, &page) in w.src_pages.iter().enumerate() {
                 let page = u64::try_from(page).map_err(|_| format!("negative page {page}"))?;
                 let addr = page
                     .checked_mul(item)
                     .and_then(|o| o.checked_add(ptr))
                     .ok_or_else(|| "page address overflows".to_owned())?;
-                let src = kv.read(addr, item).map_err(|e| e.to_string())?;
+                // SAFETY: the forward pass finished the chunk's source pages before it handed
+                // the chunk over, and nothing writes them until the room is released.
+                let src = unsafe { kv.view(addr, item) }.map_err(|e| e.to_string())?;
                 let at = (b * n + i) * page_bytes;
                 kvx_staging::gather(&w.spec, &[src], &[0], &mut out[at..at + page_bytes])
                     .map_err(|e| e.to_string())?;
             }
         }
-        Ok::<(), String>(())
-    })
-    .map_err(|e| e.to_string())??;
+        Ok(())
+    };
+    // SAFETY: this shard's staging buffer is written by this worker only, and the data plane
+    // reads it only during the write this function returns, after `with_mut` ended.
+    unsafe { buf.with_mut(buf.base(), w.len, gather_all) }.map_err(|e| e.to_string())??;
     metrics::counter!("kvx_staged_bytes_total").increment(w.len);
     Ok(TransferOp::new(buf.base(), w.dst, w.len))
 }
@@ -247,45 +249,25 @@ fn gather_chunk(shared: &Shared, shard: usize, w: &StageWork) -> Result<Transfer
 /// Data sessions idle this long are closed.
 const SESSION_IDLE: Duration = Duration::from_secs(2);
 
-/// How one batch ended (fatal faults leave through the outer `Err`).
-enum Outcome {
-    /// Every write landed.
-    Done,
-    /// Nothing written: the room is no longer waiting for input (failed or gone meanwhile).
-    Skipped,
-    /// The decode session is unusable (unreachable, lost): fails the room, blacklists the session.
-    PeerFailed(String),
-    /// Only this room is affected (rejected writes, an injected per-room fault).
-    RoomFailed(String),
-}
-
-/// Posts one batch. Outer error: fatal for the worker; inner: fails the room (a peer failure
+/// Posts one job. Outer error: fatal for the worker; inner: fails the room (a peer failure
 /// also drops the cached session so the next batch reconnects).
 fn execute(
-    shared: &Shared,
+    ctx: &WorkerCtx,
     shard: usize,
     sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
-    room: Room,
-    session: &SessionId,
-    work: &mut Work,
+    job: &mut Job,
 ) -> Result<Outcome, WorkerFault> {
-    // Batches queued before their room or session failed are completed without any work: a room
-    // failed meanwhile needs nothing more, and a session already found dead fails the room at
-    // once (sglang's "session is not alive") instead of waiting for a fresh connect attempt
-    // each, so every room queued behind a dead decode fails as soon as the first one does.
-    {
-        let table = lock(&shared.table);
-        if table.poll(room) != Some(KVPoll::WaitingForInput) {
-            return Ok(Outcome::Skipped);
-        }
-        if table.session_failed(session, Instant::now()) {
-            drop(table);
-            sessions.remove(session);
-            metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
-            return Ok(Outcome::PeerFailed(format!(
-                "Decode instance could be dead, remote session {session} is not alive"
-            )));
-        }
+    // A job queued before its room failed is completed without any work.
+    if job.cancel.load(Ordering::Acquire) {
+        return Ok(Outcome::Skipped);
+    }
+    let (room, session) = (job.room, &job.session);
+    if ctx.is_dead(session) {
+        sessions.remove(session);
+        metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
+        return Ok(Outcome::PeerFailed(format!(
+            "Decode instance could be dead, remote session {session} is not alive"
+        )));
     }
     fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
         WorkerFault::Injected {
@@ -299,13 +281,13 @@ fn execute(
             arg.unwrap_or_default()
         ))
     ));
-    if lock(&shared.table).poll(room) != Some(KVPoll::WaitingForInput) {
+    if job.cancel.load(Ordering::Acquire) {
         // Failed (or gone) while the fault points ran: nothing to write.
         return Ok(Outcome::Skipped);
     }
-    let ops = match work {
+    let ops = match &mut job.work {
         Work::Batch { ops, .. } => std::mem::take(ops),
-        Work::Stage(w) => match gather_chunk(shared, shard, w) {
+        Work::Stage(w) => match gather_chunk(ctx, shard, w) {
             Ok(op) => vec![op],
             Err(e) => {
                 return Ok(Outcome::RoomFailed(format!(
@@ -320,19 +302,19 @@ fn execute(
             *used = Instant::now();
             s.clone()
         }
-        _ => match shared
-            .rt
-            .block_on(shared.plane.open_session(session.as_str()))
-        {
+        _ => match ctx.rt.block_on(ctx.plane.open_session(session.as_str())) {
             Ok(s) => {
                 sessions.insert(session.clone(), (s.clone(), Instant::now()));
                 s
             }
-            Err(e) => return Ok(Outcome::PeerFailed(peer_failed(session, &e))),
+            Err(e) => {
+                ctx.mark_dead(session);
+                return Ok(Outcome::PeerFailed(peer_failed(session, &e)));
+            }
         },
     };
     let t0 = Instant::now();
-    match shared.rt.block_on(s.write_batch(ops)) {
+    match ctx.rt.block_on(s.write_batch(ops)) {
         Ok(report) => {
             metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
             metrics::counter!("kvx_transfer_batches_total").increment(1);
@@ -341,6 +323,7 @@ fn execute(
         }
         Err(e) if e.is_peer_failure() => {
             sessions.remove(session);
+            ctx.mark_dead(session);
             Ok(Outcome::PeerFailed(peer_failed(session, &e)))
         }
         Err(e) => Ok(Outcome::RoomFailed(format!(

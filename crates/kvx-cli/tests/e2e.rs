@@ -133,13 +133,13 @@ fn push_to(endpoint: &str) -> (zmq::Context, zmq::Socket) {
 }
 
 #[test]
-fn metadata_from_unknown_session_fails_that_room_only() {
+fn metadata_from_unknown_session_is_refused_and_reflects_nothing() {
     let port = free_port();
     let _prefill = start_prefill(port, &[], &[]);
     let ctx = zmq::Context::new();
     let pull = ctx.socket(zmq::PULL).unwrap();
     pull.bind("tcp://127.0.0.1:*").unwrap();
-    pull.set_rcvtimeo(30_000).unwrap();
+    pull.set_rcvtimeo(2_000).unwrap();
     let me = pull.get_last_endpoint().unwrap().unwrap();
     let my_port = me.rsplit(':').next().unwrap();
     let (_c, push) = push_to(&inbox(port));
@@ -157,8 +157,20 @@ fn metadata_from_unknown_session_fails_that_room_only() {
         vec![],
     ];
     push.send_multipart(frames, 0).unwrap();
-    let status = pull.recv_multipart(0).expect("a status for room 77");
-    assert_eq!(status, vec![b"77".to_vec(), b"0".to_vec(), b"0".to_vec()]);
+    // Refused and counted; the endpoint the metadata named gets nothing (before: a status 0 went
+    // to any endpoint an unregistered sender named).
+    wait_until(GUARD, "metadata refused", || {
+        http_get(port, "/metrics").is_some_and(|(_, m)| {
+            metric_sum(
+                &m,
+                "kvx_metadata_refused_total{reason=\"unregistered_session\"}",
+            ) == 1.0
+        })
+    });
+    assert!(
+        pull.recv_multipart(0).is_err(),
+        "the prefill sent something to an unregistered endpoint"
+    );
     // The worker and the rank are fine: a real decode is served.
     let dir = tempfile::tempdir().unwrap();
     let s = dir.path().join("s.json");

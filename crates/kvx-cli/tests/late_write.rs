@@ -83,8 +83,7 @@ fn a_write_after_the_abort_ack_is_counted() {
     let mut landed = 0;
     while t0.elapsed() < Duration::from_secs(5) {
         n = n.wrapping_add(1);
-        src.write_with(src.base(), src.len(), |b| b.fill(n))
-            .unwrap();
+        src.fill(src.base(), src.len(), n).unwrap();
         let op = TransferOp::new(src.base(), dst, src.len());
         if rt.block_on(session.write_batch(vec![op])).is_err() {
             break;

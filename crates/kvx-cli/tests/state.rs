@@ -56,21 +56,19 @@ impl Side {
     }
     fn kv_page(&self, b: u64, page: u64) -> Vec<u8> {
         let addr = self.kv.base() + (b * PAGES + page) * ITEM;
-        self.kv.read(addr, ITEM).unwrap().to_vec()
+        self.kv.to_vec(addr, ITEM).unwrap()
     }
     fn slot(&self, layer: u64, slot: u64) -> Vec<u8> {
         let addr = self.state_ptrs()[layer as usize] + slot * STATE_ITEM;
-        self.state.read(addr, STATE_ITEM).unwrap().to_vec()
+        self.state.to_vec(addr, STATE_ITEM).unwrap()
     }
 }
 
 fn fill(r: &Region, seed: u8) {
-    r.write_with(r.base(), r.len(), |b| {
-        for (i, x) in b.iter_mut().enumerate() {
-            *x = (i as u8).wrapping_mul(31).wrapping_add(seed);
-        }
-    })
-    .unwrap();
+    let bytes: Vec<u8> = (0..r.len())
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    r.copy_in(r.base(), &bytes).unwrap();
 }
 
 #[test]

@@ -50,8 +50,7 @@ impl Peer {
                 want,
             });
         }
-        self.aux
-            .write_with(ptr + r * want, want, |dst| dst.copy_from_slice(data))?;
+        self.aux.copy_in(ptr + r * want, data)?;
         Ok(())
     }
 }

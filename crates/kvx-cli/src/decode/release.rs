@@ -126,8 +126,8 @@ impl Peer {
                         .unwrap_or(u64::MAX)
                         .saturating_mul(l.item_len),
                 );
-                match self.kv.read(addr, l.item_len) {
-                    Ok(bytes) => h.write(bytes),
+                match self.kv.to_vec(addr, l.item_len) {
+                    Ok(bytes) => h.write(&bytes),
                     Err(_) => h.write_u8(0),
                 }
             }

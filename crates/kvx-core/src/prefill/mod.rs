@@ -36,8 +36,8 @@ use std::time::Instant;
 
 pub use types::{
     BatchId, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_FAILED_SESSION_TTL, DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_UNOPENED_ROOMS, LiveEntries, LocalMemory,
-    PrefillAction, PrefillConfig, PrefillError, PrefillEvent, RoomError, TransferPath,
+    DEFAULT_MAX_UNOPENED_ROOMS, LiveEntries, LocalMemory, PrefillAction, PrefillConfig,
+    PrefillError, PrefillEvent, RoomError, TransferPath,
 };
 
 use crate::peer::{DecodeRegistration, Endpoint, SessionId, TransferRequest};
@@ -172,7 +172,9 @@ impl PrefillManager {
     /// True when a Failed status towards `session` may carry the reason as a 4th frame (the
     /// decode is known to be sglang 0.5.23-shaped; see [`PrefillAction::SendStatus`]).
     pub fn accepts_status_reason(&self, session: &SessionId) -> bool {
-        self.sessions.get(session).is_some_and(|s| s.0.status_reason)
+        self.sessions
+            .get(session)
+            .is_some_and(|s| s.0.status_reason)
     }
 
     /// The KV path towards a registered session (for metrics and the staging hook).
@@ -185,6 +187,11 @@ impl PrefillManager {
     /// True while a session is marked failed at `now`.
     pub fn session_failed(&self, session: &SessionId, now: Instant) -> bool {
         self.failed.get(session).is_some_and(|&until| now < until)
+    }
+
+    /// Rooms held (O(1); [`PrefillManager::live_entries`] has every count).
+    pub fn room_count(&self) -> usize {
+        self.rooms.len()
     }
 
     /// Counts of live per-room entries.
@@ -429,7 +436,10 @@ impl PrefillManager {
                 self.unopened = self.unopened.saturating_sub(1);
                 rs
             }
-            None => self.rooms.entry(room).or_insert_with(|| RoomState::new(now)),
+            None => self
+                .rooms
+                .entry(room)
+                .or_insert_with(|| RoomState::new(now)),
         };
         rs.sender = Some(Sender {
             created: now,
@@ -626,7 +636,10 @@ impl PrefillManager {
                 .filter(|(r, rs)| {
                     **r != room
                         && !rs.status.is_terminal()
-                        && rs.infos.iter().any(|i| i.session == session && !i.is_dummy())
+                        && rs
+                            .infos
+                            .iter()
+                            .any(|i| i.session == session && !i.is_dummy())
                 })
                 .map(|(r, _)| *r)
                 .collect();

@@ -627,7 +627,11 @@ fn dcp_mismatch_registration_is_refused() {
     let r = room(29);
     let err = h
         .mgr
-        .handle(h.now, PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)), &mut out)
+        .handle(
+            h.now,
+            PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 1)),
+            &mut out,
+        )
         .unwrap_err();
     assert_eq!(err.kind(), "unregistered_session");
     assert!(out.is_empty());
@@ -646,7 +650,11 @@ fn metadata_from_an_unregistered_session_is_refused_and_reflects_nothing() {
     let mut out = Vec::new();
     let err = h
         .mgr
-        .handle(h.now, PrefillEvent::Metadata(metadata(r, 5, Some(vec![1]), 1)), &mut out)
+        .handle(
+            h.now,
+            PrefillEvent::Metadata(metadata(r, 5, Some(vec![1]), 1)),
+            &mut out,
+        )
         .unwrap_err();
     assert_eq!(
         err,
@@ -723,7 +731,12 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
     }
     // Session 2 is used (metadata) after 3 registered: 3 is the least recently used.
     h.ev(PrefillEvent::Metadata(metadata(room(1), 2, None, 1)));
-    h.ev(PrefillEvent::Metadata(metadata(room(1), 2, Some(vec![1]), 1)));
+    h.ev(PrefillEvent::Metadata(metadata(
+        room(1),
+        2,
+        Some(vec![1]),
+        1,
+    )));
     h.ev(PrefillEvent::Register(registration(4, 1)));
     assert_eq!(h.mgr.live_entries().sessions, 2);
     assert!(h.mgr.registration(&session(3)).is_none());
@@ -735,7 +748,11 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
     };
     h.ev(PrefillEvent::Register(restarted));
     assert!(h.mgr.registration(&session(2)).is_none());
-    assert!(h.mgr.registration(&SessionId::new("10.0.0.2:16000")).is_some());
+    assert!(
+        h.mgr
+            .registration(&SessionId::new("10.0.0.2:16000"))
+            .is_some()
+    );
     assert_eq!(h.mgr.live_entries().sessions, 2);
 }
 
@@ -750,7 +767,12 @@ fn unopened_rooms_are_bounded_and_expire_at_their_deadline() {
     h.ev(PrefillEvent::Register(registration(2, 1)));
     assert_eq!(h.mgr.poll_timeout(), None);
     for n in [1, 2] {
-        h.ev(PrefillEvent::Metadata(metadata(room(n), 2, Some(vec![1]), 1)));
+        h.ev(PrefillEvent::Metadata(metadata(
+            room(n),
+            2,
+            Some(vec![1]),
+            1,
+        )));
     }
     let mut out = Vec::new();
     let meta = PrefillEvent::Metadata(metadata(room(3), 2, Some(vec![1]), 1));
