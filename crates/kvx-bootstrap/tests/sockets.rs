@@ -35,6 +35,28 @@ fn recv(inbox: &mut Inbox) -> Vec<Vec<u8>> {
 }
 
 #[test]
+fn inbox_refuses_messages_over_its_size_bound() {
+    let ctx = ctx();
+    let cfg = InboxConfig {
+        max_message_bytes: 64 << 10,
+        ..InboxConfig::new("127.0.0.1", InboxKind::Raw)
+    };
+    let mut inbox = Inbox::bind(&ctx, cfg).unwrap();
+    let ep = inbox.endpoint().clone();
+    // A peer sending 1 MiB in one frame is cut off by libzmq before it is buffered.
+    let big = ctx.socket(zmq::PUSH).unwrap();
+    big.set_linger(1000).unwrap();
+    big.connect(&ep.zmq_addr()).unwrap();
+    big.send(vec![7u8; 1 << 20], 0).unwrap();
+    // A well-behaved peer is served after it.
+    let mut push = PushCache::new(&ctx, PushOptions::toward_prefill(), 8);
+    std::thread::sleep(Duration::from_millis(200));
+    push.send(&ep, &[b"small".to_vec()]).unwrap();
+    assert_eq!(recv(&mut inbox), vec![b"small".to_vec()]);
+    assert_eq!(inbox.stats().received(), 1);
+}
+
+#[test]
 fn prefill_inbox_drops_malformed_and_lives_on() {
     let ctx = ctx();
     let mut inbox = Inbox::bind(&ctx, InboxConfig::new("127.0.0.1", InboxKind::Prefill)).unwrap();

@@ -57,7 +57,15 @@ pub struct InboxConfig {
     pub channel_capacity: usize,
     /// How often the socket thread checks whether it should stop.
     pub poll_interval: Duration,
+    /// Largest message accepted (libzmq's `MAXMSGSIZE`, all frames together): a peer that sends
+    /// a bigger one is disconnected by libzmq before the message is buffered. sglang's largest
+    /// message, metadata with one page index per token of a 1 M-token prompt at page size 1,
+    /// is 4 MiB.
+    pub max_message_bytes: i64,
 }
+
+/// Default of [`InboxConfig::max_message_bytes`].
+pub const DEFAULT_MAX_MESSAGE_BYTES: i64 = 64 << 20;
 
 impl InboxConfig {
     /// An inbox of `kind` on `host`, random port.
@@ -68,6 +76,7 @@ impl InboxConfig {
             kind,
             channel_capacity: 4096,
             poll_interval: Duration::from_millis(100),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -122,6 +131,8 @@ impl Inbox {
             .map_err(SocketError::zmq("setsockopt RCVHWM", &addr))?;
         sock.set_linger(0)
             .map_err(SocketError::zmq("setsockopt LINGER", &addr))?;
+        sock.set_maxmsgsize(cfg.max_message_bytes.max(1))
+            .map_err(SocketError::zmq("setsockopt MAXMSGSIZE", &addr))?;
         if ipv6 {
             sock.set_ipv6(true)
                 .map_err(SocketError::zmq("setsockopt IPV6", &addr))?;
