@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use super::common::{self, DecodeOpts, Model, PrefillOpts};
+use super::common::{self, DecodeOpts, Model, PrefillOpts, Summary};
+use crate::integration::metrics::{Absent, Metrics};
 use crate::integration::zmtp::Push;
 use crate::integration::{Ctx, Verdict};
 
@@ -32,7 +33,7 @@ pub fn strip_ansi(s: &str) -> String {
 }
 
 /// The value after `key=` on a log line (up to the next space).
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+pub(crate) fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     let i = line.find(&format!("{key}="))?;
     line[i + key.len() + 1..].split_whitespace().next()
 }
@@ -206,36 +207,86 @@ pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
         ))
     })??;
     let (code, s) = d.finish(Duration::from_secs(180))?;
-    let after = ctx.scrape(0, p.metrics)?;
-    let counted = after.get("kvx_malformed_frames_total")
-        - before.get("kvx_malformed_frames_total")
-        + after.get("kvx_ignored_messages_total")
-        - before.get("kvx_ignored_messages_total");
+    // What the prefill dropped as malformed or ignored since the flood began; a counter absent
+    // before the flood had counted nothing yet.
+    let dropped = |m: &Metrics| -> Result<f64, Absent> {
+        Ok(m.get("kvx_malformed_frames_total")? + m.events("kvx_ignored_messages_total", &[]))
+    };
+    let baseline = before.events("kvx_malformed_frames_total", &[])
+        + before.events("kvx_ignored_messages_total", &[]);
+    let want = sent.0 as f64;
+    let (after, _) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(5), |m| {
+        dropped(m).is_ok_and(|n| n - baseline >= want)
+    })?;
     let left = common::drained(ctx, &p, Duration::from_secs(5))?;
     let alive = p.proc.try_wait().is_none() && boot.proc.try_wait().is_none();
+    Ok(flood_verdict(&FloodSeen {
+        sent,
+        prefill_counted: dropped(&after)
+            .map(|n| n - baseline)
+            .map_err(|e| e.to_string()),
+        decode: (code, s),
+        left,
+        alive,
+    }))
+}
+
+/// What `malformed-flood` saw.
+#[derive(Debug, Clone)]
+pub(crate) struct FloodSeen {
+    /// Garbage messages sent to the prefill's inbox and the decode's, junk connections to the
+    /// decode's transport port and requests to the bootstrap server.
+    pub sent: (usize, usize, usize, usize),
+    /// Messages the prefill counted as malformed or ignored during the flood (an error when its
+    /// counter is absent).
+    pub prefill_counted: Result<f64, String>,
+    /// The decode's exit code and summary.
+    pub decode: (i32, Summary),
+    /// Room entries left on the prefill.
+    pub left: f64,
+    /// Prefill and bootstrap server still running.
+    pub alive: bool,
+}
+
+/// `malformed-flood`'s verdict: every garbage message counted by the inbox it was sent to (the
+/// garbage is seeded and holds no valid message), every room verified, nothing left, nobody dead.
+pub(crate) fn flood_verdict(x: &FloodSeen) -> Verdict {
+    let (code, s) = &x.decode;
+    let sent = x.sent;
+    let prefill_counted = x.prefill_counted.clone().unwrap_or(-1.0);
     let figures = format!(
-        "sent {} garbage messages to the prefill inbox, {} to the decode inbox, {} junk connections to the transport port, {} to the bootstrap server; prefill counted {counted} malformed or ignored, decode {}; {}; room entries left {left}",
+        "sent {} garbage messages to the prefill inbox, {} to the decode inbox, {} junk connections to the transport port, {} to the bootstrap server; prefill counted {}, decode {}; {}; room entries left {}; exit {code}; prefill and bootstrap alive: {}",
         sent.0,
         sent.1,
         sent.2,
         sent.3,
+        match &x.prefill_counted {
+            Ok(n) => n.to_string(),
+            Err(e) => e.clone(),
+        },
         s.dropped_messages,
-        s.figures()
+        s.figures(),
+        x.left,
+        x.alive
     );
-    // The garbage is seeded and holds no valid message: the decode must count every one.
-    let decode_counted = s.dropped_messages >= sent.1 as u64;
-    if code != 0
-        || s.verified != s.requests
-        || counted < 1.0
-        || !decode_counted
-        || left != 0.0
-        || !alive
-    {
-        return Ok(Verdict::Fail(format!(
-            "{figures}; exit {code}; prefill and bootstrap alive: {alive}"
-        )));
-    }
-    Ok(Verdict::Pass(figures))
+    let checks = [
+        (sent.0 > 0 && sent.1 > 0, "no garbage was sent".to_string()),
+        (
+            prefill_counted >= sent.0 as f64,
+            "the prefill did not count every garbage message sent to it".into(),
+        ),
+        (
+            s.dropped_messages >= sent.1 as u64,
+            "the decode did not count every garbage message sent to it".into(),
+        ),
+        (
+            *code == 0 && s.verified == s.requests && s.requests > 0,
+            "rooms did not all verify".into(),
+        ),
+        (x.left == 0.0, "room entries left on the prefill".into()),
+        (x.alive, "the prefill or the bootstrap server died".into()),
+    ];
+    super::faults::verdict(&checks, figures)
 }
 
 /// `abort-drain`: rooms that outlive the decode's waiting timeout mid-transfer are ABORTed; the
@@ -273,7 +324,7 @@ pub fn abort_drain(ctx: &mut Ctx) -> Result<Verdict> {
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;
     let (code, s) = d.finish(Duration::from_secs(common::sized(ctx, 170, 280) as u64))?;
     let m = ctx.scrape(0, p.metrics)?;
-    let aborts = m.get("kvx_aborts_total");
+    let aborts = m.events("kvx_aborts_total", &[]);
     let left = common::drained(ctx, &p, Duration::from_secs(10))?;
     let timed_out = s
         .failure_reasons

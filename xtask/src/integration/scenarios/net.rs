@@ -149,14 +149,12 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     // The prefill's view, while the link is still cut.
     let (pm, prefill_took) =
         common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(30), |m| {
-            m.get("kvx_room_entries") == 0.0
+            m.get("kvx_room_entries") == Ok(0.0)
         })?;
     let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
     t.restore(0, 1)?;
     let (code, s) = finished?;
-    let prefill_failed = pm
-        .sum("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
-        .unwrap_or(0.0);
+    let prefill_failed = pm.events("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")]);
     let mut o2 = DecodeOpts::new(common::sized(ctx, 6, 40), 256);
     o2.seed = 1234;
     let mut d2 = common::decode(ctx, "decode-2", 1, boot, &model, &o2)?;
