@@ -109,11 +109,6 @@ impl Kvx {
         self.help.contains_key(sub)
     }
 
-    /// The help text of subcommand `sub` (`""` for the top level).
-    pub fn help_text(&self, sub: &str) -> Option<&str> {
-        self.help.get(sub).map(String::as_str)
-    }
-
     /// Whether subcommand `sub` takes `--flag` (given with its dashes).
     pub fn has_flag(&self, sub: &str, flag: &str) -> bool {
         self.help.get(sub).is_some_and(|h| {

@@ -630,7 +630,7 @@ mod tests {
             .filter(|s| s.needs_hosts)
             .map(|s| s.name)
             .collect();
-        assert_eq!(needing, vec!["lossy-link", "partition"]);
+        assert_eq!(needing, vec!["lossy-link", "partition", "abort-drain"]);
         let lossy = all.iter().find(|s| s.name == "lossy-link").unwrap();
         let happy = all.iter().find(|s| s.name == "happy-tp1").unwrap();
         let skip = || Verdict::Skip("needs separate hosts".into());

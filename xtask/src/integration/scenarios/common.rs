@@ -291,6 +291,8 @@ pub struct Summary {
     pub corrupt: u64,
     /// Verified bytes.
     pub bytes: u64,
+    /// Seconds the run took.
+    pub seconds: f64,
     /// GB/s.
     pub gbps: f64,
     /// Median room latency, ms.
@@ -329,6 +331,7 @@ impl Summary {
             verified: u("verified"),
             corrupt: u("corrupt"),
             bytes: u("bytes"),
+            seconds: f("seconds"),
             gbps: f("gbps"),
             p50_ms: f("p50_ms"),
             p99_ms: f("p99_ms"),
@@ -459,15 +462,6 @@ pub fn live_workers(ctx: &Ctx, p: &Prefill) -> Result<f64> {
     let m = ctx.scrape(p.host, p.metrics)?;
     m.get("kvx_live_workers")
         .with_context(|| format!("reading {}'s workers", p.proc.name()))
-}
-
-/// Lines of a process's log (colours stripped) that contain `needle`.
-pub fn log_lines(p: &Proc, needle: &str) -> Vec<String> {
-    super::flood::strip_ansi(&p.log_text())
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_string)
-        .collect()
 }
 
 /// The reason of the first room a process logged as failed (`room failed … reason=…`).

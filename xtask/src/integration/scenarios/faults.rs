@@ -564,3 +564,162 @@ pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
         sockets: (sockets_before, sockets_after),
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(requests: u64, failed: u64) -> Summary {
+        Summary {
+            requests,
+            succeeded: requests - failed,
+            failed,
+            verified: requests - failed,
+            ..Summary::default()
+        }
+    }
+
+    fn fails(v: &Verdict, why: &str) {
+        match v {
+            Verdict::Fail(t) => assert!(t.contains(why), "{why:?} not in {t}"),
+            v => panic!("expected a FAIL for {why:?}, got {v:?}"),
+        }
+    }
+
+    #[test]
+    fn the_readme_documents_70_for_a_dead_worker() {
+        let readme = include_str!("../../../../README.md");
+        assert_eq!(documented_exit_code(readme), Some(70));
+        let other = "x\n\nExit codes: `0` success; `1` an error; **`75`** a prefill transfer\nworker died (a panic).\n\n## Next `70`";
+        assert_eq!(documented_exit_code(other), Some(75));
+        assert_eq!(
+            documented_exit_code("Exit codes: `0` success; `1` an error."),
+            None
+        );
+        assert_eq!(documented_exit_code("no section; worker died `70`"), None);
+    }
+
+    fn soak_seen() -> SoakSeen {
+        SoakSeen {
+            decode: (1, summary(2000, 20)),
+            injected: 20,
+            prefill_failed: Ok(20.0),
+            workers: (4.0, 4.0),
+            worker_failures: 0.0,
+            left: 0.0,
+            sockets: (13, 13),
+        }
+    }
+
+    #[test]
+    fn soak_fails_without_injected_faults_or_their_metric() {
+        assert!(matches!(soak_verdict(&soak_seen()), Verdict::Pass(_)));
+        // The fault disabled: every room verifies, yet the soak proves nothing.
+        let mut x = soak_seen();
+        x.decode = (0, summary(2000, 0));
+        x.injected = 0;
+        x.prefill_failed = Ok(0.0);
+        fails(&soak_verdict(&x), "no fault was injected");
+        let mut x = soak_seen();
+        x.prefill_failed = Err("metric kvx_rooms_finished_total absent".into());
+        fails(&soak_verdict(&x), "not the ones the prefill injected");
+        let mut x = soak_seen();
+        x.workers = (4.0, 3.0);
+        fails(&soak_verdict(&x), "a worker died");
+        let mut x = soak_seen();
+        x.sockets = (13, 14);
+        fails(&soak_verdict(&x), "kept sockets");
+    }
+
+    fn kill_decode_seen() -> KillDecodeSeen {
+        KillDecodeSeen {
+            cleared_s: Some(0.3),
+            failed_delta: 3.0,
+            failed_rooms: vec![VICTIM_ROOMS + 4, VICTIM_ROOMS + 5, VICTIM_ROOMS + 6],
+            succeeded: (4.0, 10.0),
+            workers: (4.0, 4.0),
+            worker_failures: 0.0,
+            other: (0, summary(8, 0)),
+            left: 0.0,
+        }
+    }
+
+    #[test]
+    fn kill_decode_fails_unless_the_victims_rooms_failed_and_workers_lived() {
+        assert!(matches!(
+            kill_decode_verdict(&kill_decode_seen()),
+            Verdict::Pass(_)
+        ));
+        let mut x = kill_decode_seen();
+        x.failed_rooms.clear();
+        x.failed_delta = 0.0;
+        fails(&kill_decode_verdict(&x), "no victim room ended Failed");
+        let mut x = kill_decode_seen();
+        x.failed_rooms.push(OTHER_ROOMS + 1);
+        x.failed_delta = 4.0;
+        fails(&kill_decode_verdict(&x), "rooms not the victim's failed");
+        let mut x = kill_decode_seen();
+        x.failed_delta = 1.0;
+        fails(
+            &kill_decode_verdict(&x),
+            "metric and the prefill's log disagree",
+        );
+        // 2 + 8 Successes at the kill would be fine; 7 victim successes are more than counted.
+        let mut x = kill_decode_seen();
+        x.succeeded = (4.0, 15.0);
+        fails(&kill_decode_verdict(&x), "succeeded after the kill");
+        let mut x = kill_decode_seen();
+        x.workers = (4.0, 3.0);
+        fails(&kill_decode_verdict(&x), "a transfer worker died");
+        let mut x = kill_decode_seen();
+        x.workers = (0.0, 0.0);
+        fails(&kill_decode_verdict(&x), "a transfer worker died");
+        let mut x = kill_decode_seen();
+        x.cleared_s = Some(2.5);
+        fails(&kill_decode_verdict(&x), "not cleared within 2 s");
+    }
+
+    fn kill_prefill_seen() -> KillPrefillSeen {
+        let boot = "10.77.0.10:21005".to_string();
+        let mut s = summary(30, 28);
+        s.failure_reasons = vec![
+            (
+                format!("Lost connection with prefill instance (bootstrap_addr: {boot})"),
+                4,
+            ),
+            ("Lost connection with prefill instance".into(), 24),
+        ];
+        KillPrefillSeen {
+            boot,
+            during: (1, s),
+            gone_s: 4.4,
+            window_s: 12.0,
+            after: (0, summary(6, 0)),
+            left: 0.0,
+        }
+    }
+
+    #[test]
+    fn kill_prefill_fails_on_another_reason_or_entries_left() {
+        assert!(matches!(
+            kill_prefill_verdict(&kill_prefill_seen()),
+            Verdict::Pass(_)
+        ));
+        let mut x = kill_prefill_seen();
+        x.during.1.failure_reasons[0].0 =
+            "Lost connection with prefill instance (bootstrap_addr: 10.77.0.99:1)".into();
+        fails(&kill_prefill_verdict(&x), "another reason");
+        let mut x = kill_prefill_seen();
+        x.during.1.failure_reasons.remove(0);
+        fails(&kill_prefill_verdict(&x), "no room failed with");
+        let mut x = kill_prefill_seen();
+        x.during.1.failure_reasons[1].0 = "Failed to get kvcache from prefill instance".into();
+        fails(&kill_prefill_verdict(&x), "another reason");
+        let mut x = kill_prefill_seen();
+        x.left = 2.0;
+        fails(&kill_prefill_verdict(&x), "room entries left");
+        let mut x = kill_prefill_seen();
+        x.gone_s = 13.0;
+        fails(&kill_prefill_verdict(&x), "heartbeat window");
+    }
+}

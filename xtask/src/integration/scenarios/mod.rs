@@ -80,10 +80,10 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "abort-drain",
-            about: "ABORT mid-transfer: ACK after drain, no write lands after the ACK",
+            about: "ABORT while batches are on the wire, batches failing mid-flight: ACK after drain, no write lands after the ACK",
             budget_s: (60, 300),
             run: flood::abort_drain,
-            needs_hosts: false,
+            needs_hosts: true,
         },
         Scenario {
             name: "fatal-worker",
