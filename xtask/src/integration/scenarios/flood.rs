@@ -158,6 +158,10 @@ pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
     ) {
         return Ok(v);
     }
+    // The rooms run slowly (a pause before each batch) so that the flood meets them in flight.
+    if let Some(v) = super::need_failpoints(ctx, &[crate::integration::kvx::FAILPOINTS[0]]) {
+        return Ok(v);
+    }
     let model = Model::new("llama3-8b", 160);
     let mut boot = common::bootstrap(ctx, 0)?;
     let popts = PrefillOpts {

@@ -122,6 +122,9 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     ) {
         return Ok(v);
     }
+    if let Some(v) = super::need_failpoints(ctx, &[crate::integration::kvx::FAILPOINTS[0]]) {
+        return Ok(v);
+    }
     let model = Model::new("llama3-8b", 160);
     let boot = ctx.addr(0);
     let popts = PrefillOpts {
