@@ -295,7 +295,7 @@ pub(crate) fn flood_verdict(x: &FloodSeen) -> Verdict {
 
 /// Every `N`th batch of `abort-drain` fails its room mid-flight (the per-room failpoint, off in
 /// between), `INJECTED` times: some of the room's batches written, the rest still queued.
-const FAIL_EVERY: usize = 10;
+const FAIL_EVERY: usize = 6;
 /// Rooms `abort-drain` fails mid-flight.
 const INJECTED: usize = 3;
 /// Bandwidth cap (Mbit/s) on the prefill host of an `abort-drain` run with separate hosts: a 2 MiB
