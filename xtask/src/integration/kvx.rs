@@ -11,12 +11,17 @@ use anyhow::{Context, Result, bail};
 /// Subcommands whose help is read.
 const SUBCOMMANDS: &[&str] = &["bootstrap", "prefill", "decode", "demo", "send", "recv"];
 
+/// Failpoints the scenarios arm through `FAILPOINTS` (`fail_point!` in `crates/kvx-cli`).
+pub const FAILPOINTS: &[&str] = &["kvx::transfer_worker::batch", "kvx::transfer_worker::chunk"];
+
 /// A probed `kvx` binary.
 #[derive(Debug, Clone)]
 pub struct Kvx {
     /// Path of the binary.
     pub path: PathBuf,
     help: BTreeMap<String, String>,
+    /// The names of [`FAILPOINTS`] compiled into the binary.
+    failpoints: Vec<String>,
 }
 
 /// Builds the debug binary with failpoints into the current target dir and returns its path.
@@ -59,10 +64,31 @@ impl Kvx {
             }
         }
         help.insert(String::new(), top);
+        let failpoints = compiled_failpoints(path, FAILPOINTS)?;
         Ok(Kvx {
             path: path.to_path_buf(),
             help,
+            failpoints,
         })
+    }
+
+    /// `Ok` when every failpoint in `points` is compiled into the binary, else why not (for a
+    /// FAIL verdict: a scenario that cannot inject its fault proves nothing).
+    pub fn has_failpoints(&self, points: &[&str]) -> Result<(), String> {
+        let missing: Vec<&str> = points
+            .iter()
+            .copied()
+            .filter(|p| !self.failpoints.iter().any(|f| f == p))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} has no failpoint {} (built without `--features failpoints`?), so the fault cannot be injected",
+                self.path.display(),
+                missing.join(", ")
+            ))
+        }
     }
 
     /// A binary with the given help texts (for tests of the support checks).
@@ -74,17 +100,13 @@ impl Kvx {
                 .iter()
                 .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
                 .collect(),
+            failpoints: FAILPOINTS.iter().map(|s| s.to_string()).collect(),
         }
     }
 
     /// Whether subcommand `sub` exists.
     pub fn has(&self, sub: &str) -> bool {
         self.help.contains_key(sub)
-    }
-
-    /// The help text of subcommand `sub` (`""` for the top level).
-    pub fn help_text(&self, sub: &str) -> Option<&str> {
-        self.help.get(sub).map(String::as_str)
     }
 
     /// Whether subcommand `sub` takes `--flag` (given with its dashes).
@@ -116,6 +138,34 @@ impl Kvx {
             Err(format!("kvx lacks {}", missing.join(", ")))
         }
     }
+}
+
+/// Which of `names` occur in the binary at `path`. `fail_point!(name, …)` compiles to a call
+/// holding `name` only with the `fail/failpoints` feature; without it the macro expands to
+/// nothing and the name (used nowhere else in `kvx`) is absent from the binary.
+fn compiled_failpoints(path: &Path, names: &[&str]) -> Result<Vec<String>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(names
+        .iter()
+        .filter(|n| contains(&bytes, n.as_bytes()))
+        .map(|n| n.to_string())
+        .collect())
+}
+
+/// Whether `needle` (non-empty) occurs in `hay`.
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    let Some((&first, rest)) = needle.split_first() else {
+        return true;
+    };
+    let mut at = 0;
+    while let Some(i) = hay[at..].iter().position(|&b| b == first) {
+        let start = at + i + 1;
+        if hay.get(start..start + rest.len()) == Some(rest) {
+            return true;
+        }
+        at = start;
+    }
+    false
 }
 
 fn help_of(path: &Path, sub: &[&str]) -> Result<String> {
@@ -155,6 +205,29 @@ mod tests {
                 .unwrap_err(),
             "kvx lacks prefill, decode --abort-after"
         );
+    }
+
+    #[test]
+    fn failpoints_are_found_only_when_compiled_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = dir.path().join("with");
+        let mut bytes = vec![0u8; 5000];
+        bytes.extend_from_slice(b"kvx::transfer_worker::chunkkvx::transfer_worker::batc");
+        std::fs::write(&with, &bytes).unwrap();
+        let found = compiled_failpoints(&with, FAILPOINTS).unwrap();
+        assert_eq!(found, vec!["kvx::transfer_worker::chunk".to_string()]);
+        let k = Kvx {
+            path: with,
+            help: BTreeMap::new(),
+            failpoints: found,
+        };
+        assert!(k.has_failpoints(&["kvx::transfer_worker::chunk"]).is_ok());
+        let e = k.has_failpoints(FAILPOINTS).unwrap_err();
+        assert!(
+            e.contains("no failpoint kvx::transfer_worker::batch"),
+            "{e}"
+        );
+        assert!(contains(b"aab", b"ab") && !contains(b"a", b"ab") && contains(b"x", b""));
     }
 
     #[test]

@@ -142,11 +142,58 @@ impl Metrics {
         found
     }
 
-    /// Like [`Metrics::sum`] with no label filter, 0 when absent.
-    pub fn get(&self, name: &str) -> f64 {
-        self.sum(name, &[]).unwrap_or(0.0)
+    /// The sum of every sample named `name`, whatever its labels. A metric missing from the scrape
+    /// is an error naming it, never 0: a renamed metric or a process that never got as far as
+    /// setting it must fail a verdict, not pass it.
+    pub fn get(&self, name: &str) -> Result<f64, Absent> {
+        self.get_where(name, &[])
+    }
+
+    /// Like [`Metrics::get`], over the samples whose labels include all of `want`.
+    pub fn get_where(&self, name: &str, want: &[(&str, &str)]) -> Result<f64, Absent> {
+        self.sum(name, want).ok_or_else(|| Absent {
+            name: name.to_string(),
+            labels: want
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect::<Vec<_>>()
+                .join(","),
+        })
+    }
+
+    /// Events counted by a counter that the exporter lists only from its first increment
+    /// (`kvx_worker_failures_total`, a `before` baseline of a failure counter): absent means
+    /// none happened yet. Verdicts use this only where the figure must stay 0 or is subtracted
+    /// as a baseline; a figure that must be positive is read with [`Metrics::get`].
+    pub fn events(&self, name: &str, want: &[(&str, &str)]) -> f64 {
+        self.sum(name, want).unwrap_or(0.0)
     }
 }
+
+/// A metric a verdict needed is not in the scrape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Absent {
+    /// The metric name.
+    pub name: String,
+    /// The label filter, as `k="v",…` (empty for none).
+    pub labels: String,
+}
+
+impl std::fmt::Display for Absent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.labels.is_empty() {
+            write!(f, "metric {} absent from /metrics", self.name)
+        } else {
+            write!(
+                f,
+                "metric {}{{{}}} absent from /metrics",
+                self.name, self.labels
+            )
+        }
+    }
+}
+
+impl std::error::Error for Absent {}
 
 /// Fetches `http://addr/metrics` (from the calling thread's network namespace) and parses it.
 pub fn scrape(addr: SocketAddr) -> Result<Metrics> {
@@ -194,8 +241,8 @@ kvx_failures_total{cause="peer \"x\" gone"} 2 1700000000000
         let m = Metrics::parse(TEXT).unwrap();
         assert_eq!(m.samples.len(), 6);
         assert_eq!(m.sum("kvx_rooms", &[("state", "success")]), Some(12.0));
-        assert_eq!(m.get("kvx_rooms"), 15.0);
-        assert_eq!(m.get("kvx_bytes_total"), 1.5e9);
+        assert_eq!(m.get("kvx_rooms"), Ok(15.0));
+        assert_eq!(m.get("kvx_bytes_total"), Ok(1.5e9));
         assert_eq!(m.sum("kvx_live_room_entries", &[]), Some(0.0));
         assert_eq!(m.sum("kvx_missing", &[]), None);
         assert_eq!(
@@ -206,6 +253,30 @@ kvx_failures_total{cause="peer \"x\" gone"} 2 1700000000000
             m.sum("kvx_batch_seconds_bucket", &[("le", "+Inf")]),
             Some(7.0)
         );
+    }
+
+    #[test]
+    fn an_absent_metric_is_an_error_never_zero() {
+        let m = Metrics::parse(TEXT).unwrap();
+        let e = m.get("kvx_live_workers").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metric kvx_live_workers absent from /metrics"
+        );
+        let e = m
+            .get_where("kvx_rooms", &[("state", "bootstrapping")])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metric kvx_rooms{state=\"bootstrapping\"} absent from /metrics"
+        );
+        // A gauge at 0 is present and reads as 0.
+        assert_eq!(m.get("kvx_live_room_entries"), Ok(0.0));
+        assert_eq!(m.get_where("kvx_rooms", &[("role", "prefill")]), Ok(3.0));
+        // Only a counter of events reads its absence as none.
+        assert_eq!(m.events("kvx_worker_failures_total", &[]), 0.0);
+        assert_eq!(m.events("kvx_rooms", &[("state", "success")]), 12.0);
+        assert!(Metrics::default().get("kvx_rooms").is_err());
     }
 
     #[test]
@@ -236,7 +307,7 @@ kvx_failures_total{cause="peer \"x\" gone"} 2 1700000000000
                 .unwrap();
         });
         let m = scrape(addr).unwrap();
-        assert_eq!(m.get("kvx_up"), 1.0);
+        assert_eq!(m.get("kvx_up"), Ok(1.0));
         server.join().unwrap();
     }
 

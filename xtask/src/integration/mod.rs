@@ -4,7 +4,10 @@
 //!
 //! Every scenario runs on its own thread under a time budget; when the budget is spent, or on
 //! Ctrl-C, every process group it started is killed. Scenarios whose support is missing from the
-//! binary print `SKIP <name>: <reason>`; they are counted apart, never as passes.
+//! binary print `SKIP <name>: <reason>`; they are counted apart, never as passes. A scenario that
+//! cannot inject its fault (a failpoint missing from the binary, no fault seen) FAILS, and under
+//! `--require-hosts` (what `cargo xtask test` runs as root) so does a scenario that SKIPs for want
+//! of separate hosts.
 
 pub mod e2e;
 pub mod kvx;
@@ -53,6 +56,10 @@ pub struct Opts {
     /// List the scenarios and exit.
     #[arg(long)]
     pub list: bool,
+    /// Fail (instead of SKIP) every scenario that needs separate hosts and could not get them;
+    /// `cargo xtask test` sets it when run as root, where network namespaces must work.
+    #[arg(long)]
+    pub require_hosts: bool,
 }
 
 /// A scenario's result.
@@ -76,6 +83,9 @@ pub struct Scenario {
     pub budget_s: (u64, u64),
     /// The scenario.
     pub run: fn(&mut Ctx) -> Result<Verdict>,
+    /// Needs separate hosts (network namespaces): SKIPs on a loopback run, which
+    /// [`Opts::require_hosts`] turns into a FAIL.
+    pub needs_hosts: bool,
 }
 
 /// Where the test hosts are.
@@ -321,13 +331,14 @@ pub fn run(root: &Path, opts: &Opts) -> Result<()> {
         {
             eprintln!("integration: clearing faults: {e:#}");
         }
-        let o = run_one(
+        let mut o = run_one(
             s,
             opts.profile,
             kvx.clone(),
             net.clone(),
             &logs.join(s.name),
         );
+        o.verdict = strict_skip(s, opts.require_hosts, o.verdict);
         println!("{}", verdict_line(&o));
         outcomes.push(o);
     }
@@ -372,6 +383,16 @@ pub fn run(root: &Path, opts: &Opts) -> Result<()> {
         bail!("{failed} integration scenarios failed");
     }
     Ok(())
+}
+
+/// A SKIP of a scenario that needs separate hosts, under [`Opts::require_hosts`], as a FAIL.
+fn strict_skip(s: &Scenario, require_hosts: bool, v: Verdict) -> Verdict {
+    match v {
+        Verdict::Skip(why) if require_hosts && s.needs_hosts => Verdict::Fail(format!(
+            "skipped where separate hosts are required (--require-hosts, set by `cargo xtask test` as root): {why}"
+        )),
+        v => v,
+    }
 }
 
 fn run_one(
@@ -564,6 +585,7 @@ mod tests {
             about: "sleeps",
             budget_s: (1, 1),
             run: slow,
+            needs_hosts: false,
         };
         let c = ctx_loopback();
         let logs = c.logs.clone();
@@ -582,6 +604,7 @@ mod tests {
             about: "passes",
             budget_s: (10, 10),
             run: quick,
+            needs_hosts: false,
         };
         let c = ctx_loopback();
         let o = run_one(
@@ -600,6 +623,28 @@ mod tests {
             latencies_ms: Vec::new(),
         };
         assert_eq!(verdict_line(&skip), "SKIP x: kvx lacks decode");
+    }
+
+    #[test]
+    fn a_skip_of_a_host_scenario_fails_where_hosts_are_required() {
+        let all = scenarios::all();
+        let needing: Vec<&str> = all
+            .iter()
+            .filter(|s| s.needs_hosts)
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(needing, vec!["lossy-link", "partition", "abort-drain"]);
+        let lossy = all.iter().find(|s| s.name == "lossy-link").unwrap();
+        let happy = all.iter().find(|s| s.name == "happy-tp1").unwrap();
+        let skip = || Verdict::Skip("needs separate hosts".into());
+        match strict_skip(lossy, true, skip()) {
+            Verdict::Fail(why) => assert!(why.contains("needs separate hosts"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        assert_eq!(strict_skip(lossy, false, skip()), skip());
+        assert_eq!(strict_skip(happy, true, skip()), skip());
+        let pass = Verdict::Pass("ok".into());
+        assert_eq!(strict_skip(lossy, true, pass.clone()), pass);
     }
 
     #[test]

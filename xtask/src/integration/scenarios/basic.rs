@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 
 use super::common::{self, DecodeOpts, Model, PrefillOpts, Summary};
+use crate::integration::metrics::{Absent, Metrics};
 use crate::integration::{Ctx, Verdict};
 
 /// How long a decode run of the short profile may take (debug build on 2 busy cores).
@@ -207,6 +208,25 @@ pub fn hetero_tp_staging(ctx: &mut Ctx) -> Result<Verdict> {
     )
 }
 
+/// Why the bytes of `mla-dummy` are wrong, if they are: the real rank must report
+/// `kvx_transfer_bytes_total` and have written something; the dummy, a live prefill rank (it
+/// exports `kvx_live_workers`), must have written nothing (its byte counter absent or 0: the
+/// exporter lists a counter only from its first increment).
+fn mla_bytes_check(real: &Result<f64, Absent>, dummy: &Metrics) -> Option<String> {
+    let dummy_bytes = dummy.events("kvx_transfer_bytes_total", &[]);
+    match real {
+        Err(e) => Some(format!("real rank 0: {e}")),
+        Ok(b) if *b <= 0.0 => Some("real rank 0 wrote 0 bytes".into()),
+        Ok(_) if dummy.get("kvx_live_workers").is_err() => {
+            Some("dummy rank 1: no kvx_live_workers (not a prefill's /metrics?)".into())
+        }
+        Ok(_) if dummy_bytes != 0.0 => Some(format!(
+            "dummy rank 1 wrote {dummy_bytes} bytes (a dummy must write nothing)"
+        )),
+        Ok(_) => None,
+    }
+}
+
 /// `mla-dummy`: DeepSeek-V3 (MLA) prefill TP2 → decode TP1: rank 1 is a dummy.
 pub fn mla_dummy(ctx: &mut Ctx) -> Result<Verdict> {
     if let Some(v) = super::need(ctx, &["bootstrap", "prefill --tp-size", "decode --tp-rank"]) {
@@ -247,12 +267,11 @@ pub fn mla_dummy(ctx: &mut Ctx) -> Result<Verdict> {
         return Ok(Verdict::Fail(why));
     }
     let real = ctx.scrape(0, p0.metrics)?.get("kvx_transfer_bytes_total");
-    let dummy = ctx.scrape(2, p1.metrics)?.get("kvx_transfer_bytes_total");
-    if dummy != 0.0 {
-        return Ok(Verdict::Fail(format!(
-            "dummy rank 1 wrote {dummy} bytes (a dummy must write nothing)"
-        )));
+    let dummy = ctx.scrape(2, p1.metrics)?;
+    if let Some(why) = mla_bytes_check(&real, &dummy) {
+        return Ok(Verdict::Fail(format!("{why}; {}", s.figures())));
     }
+    let real = real.unwrap_or_default();
     for p in [&p0, &p1] {
         let left = common::drained(ctx, p, Duration::from_secs(5))?;
         if left != 0.0 {
@@ -268,4 +287,36 @@ pub fn mla_dummy(ctx: &mut Ctx) -> Result<Verdict> {
         s.figures(),
         real / (1u64 << 20) as f64
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(text: &str) -> Metrics {
+        Metrics::parse(text).unwrap()
+    }
+
+    #[test]
+    fn mla_dummy_fails_without_real_bytes_or_with_dummy_bytes() {
+        let dummy = m("kvx_live_workers 4\n");
+        let real = m("kvx_transfer_bytes_total 1048576\nkvx_live_workers 4\n");
+        assert_eq!(
+            mla_bytes_check(&real.get("kvx_transfer_bytes_total"), &dummy),
+            None
+        );
+        // The real rank's counter absent (renamed, or nothing written): a failure, not 0.
+        let why = mla_bytes_check(&dummy.get("kvx_transfer_bytes_total"), &dummy).unwrap();
+        assert!(why.contains("absent"), "{why}");
+        let zero = m("kvx_transfer_bytes_total 0\n");
+        assert!(mla_bytes_check(&zero.get("kvx_transfer_bytes_total"), &dummy).is_some());
+        // The dummy wrote, or what was scraped is not a prefill.
+        let r = real.get("kvx_transfer_bytes_total");
+        assert!(
+            mla_bytes_check(&r, &real)
+                .unwrap()
+                .contains("dummy rank 1 wrote")
+        );
+        assert!(mla_bytes_check(&r, &m("other 1\n")).is_some());
+    }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use crate::integration::metrics::Metrics;
+use crate::integration::metrics::{Absent, Metrics};
 use crate::integration::proc::Proc;
 use crate::integration::{Ctx, Profile};
 
@@ -108,6 +108,8 @@ pub struct Prefill {
     pub host: usize,
     /// Its `/metrics` address.
     pub metrics: SocketAddr,
+    /// Runs with `--staging` (so it exports `kvx_staging_rooms`).
+    pub staging: bool,
 }
 
 /// What a prefill rank runs with.
@@ -176,6 +178,7 @@ pub fn prefill(
         proc,
         host,
         metrics,
+        staging: opts.extra.iter().any(|a| a == "--staging"),
     })
 }
 
@@ -288,6 +291,8 @@ pub struct Summary {
     pub corrupt: u64,
     /// Verified bytes.
     pub bytes: u64,
+    /// Seconds the run took.
+    pub seconds: f64,
     /// GB/s.
     pub gbps: f64,
     /// Median room latency, ms.
@@ -326,6 +331,7 @@ impl Summary {
             verified: u("verified"),
             corrupt: u("corrupt"),
             bytes: u("bytes"),
+            seconds: f("seconds"),
             gbps: f("gbps"),
             p50_ms: f("p50_ms"),
             p99_ms: f("p99_ms"),
@@ -429,18 +435,33 @@ pub fn wait_metrics(
 /// (`kvx_transfer_batches_total`); `false` when transfers never got that far.
 pub fn transfers_flowing(ctx: &Ctx, p: &Prefill, batches: f64) -> Result<bool> {
     let (_, flowing) = wait_metrics(ctx, p.host, p.metrics, Duration::from_secs(60), |m| {
-        m.get("kvx_transfer_batches_total") >= batches
+        m.get("kvx_transfer_batches_total")
+            .is_ok_and(|n| n >= batches)
     })?;
     Ok(flowing.is_some())
 }
 
-/// The prefill's live per-room entries (`kvx_room_entries` plus the staging driver's
-/// `kvx_staging_rooms`), read until they reach 0 or `timeout`.
+/// The prefill's live per-room entries (`kvx_room_entries`, plus the staging driver's
+/// `kvx_staging_rooms` when it runs with `--staging`), read until they reach 0 or `timeout`. A
+/// gauge missing from `/metrics` is an error, never 0 entries.
 pub fn drained(ctx: &Ctx, p: &Prefill, timeout: Duration) -> Result<f64> {
-    // The room manager's entries plus the staging driver's rooms (absent without staging).
-    let left = |m: &Metrics| m.get("kvx_room_entries") + m.get("kvx_staging_rooms");
-    let (m, _) = wait_metrics(ctx, p.host, p.metrics, timeout, |m| left(m) == 0.0)?;
-    Ok(left(&m))
+    let staging = p.staging;
+    let left = move |m: &Metrics| -> Result<f64, Absent> {
+        let mut n = m.get("kvx_room_entries")?;
+        if staging {
+            n += m.get("kvx_staging_rooms")?;
+        }
+        Ok(n)
+    };
+    let (m, _) = wait_metrics(ctx, p.host, p.metrics, timeout, |m| left(m) == Ok(0.0))?;
+    left(&m).with_context(|| format!("reading {}'s room entries", p.proc.name()))
+}
+
+/// The prefill's live transfer workers (`kvx_live_workers`); an error when the gauge is absent.
+pub fn live_workers(ctx: &Ctx, p: &Prefill) -> Result<f64> {
+    let m = ctx.scrape(p.host, p.metrics)?;
+    m.get("kvx_live_workers")
+        .with_context(|| format!("reading {}'s workers", p.proc.name()))
 }
 
 /// The reason of the first room a process logged as failed (`room failed … reason=…`).

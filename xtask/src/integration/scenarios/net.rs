@@ -1,6 +1,7 @@
 //! Link faults between separate hosts (network namespaces only): a slow, lossy, capped link
 //! (`lossy-link`) and a link cut mid-transfer then restored (`partition`). On a loopback run
-//! these cannot be made without touching the machine's own network, so they say SKIP.
+//! these cannot be made without touching the machine's own network, so they say SKIP — a FAIL
+//! under `--require-hosts`, which `cargo xtask test` sets as root.
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -121,6 +122,9 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     ) {
         return Ok(v);
     }
+    if let Some(v) = super::need_failpoints(ctx, &[crate::integration::kvx::FAILPOINTS[0]]) {
+        return Ok(v);
+    }
     let model = Model::new("llama3-8b", 160);
     let boot = ctx.addr(0);
     let popts = PrefillOpts {
@@ -149,21 +153,22 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     // The prefill's view, while the link is still cut.
     let (pm, prefill_took) =
         common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(30), |m| {
-            m.get("kvx_room_entries") == 0.0
+            m.get("kvx_room_entries") == Ok(0.0)
         })?;
     let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
     t.restore(0, 1)?;
     let (code, s) = finished?;
+    // The rooms the prefill had in flight at the cut ended Failed: the counter must be there.
     let prefill_failed = pm
-        .sum("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
-        .unwrap_or(0.0);
+        .get_where("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
+        .map_err(|e| e.to_string());
     let mut o2 = DecodeOpts::new(common::sized(ctx, 6, 40), 256);
     o2.seed = 1234;
     let mut d2 = common::decode(ctx, "decode-2", 1, boot, &model, &o2)?;
     let (code2, s2) = d2.finish(Duration::from_secs(120))?;
     let left = common::drained(ctx, &p, Duration::from_secs(10))?;
     let figures = format!(
-        "during the cut the decode ended its {} rooms ({} failed, {} verified) {:.1} s after the cut (window {} s); prefill emptied its room table {} after the cut ({prefill_failed} rooms Failed); after restore {}; room entries left {left}",
+        "during the cut the decode ended its {} rooms ({} failed, {} verified) {:.1} s after the cut (window {} s); prefill emptied its room table {} after the cut ({} rooms Failed); after restore {}; room entries left {left}",
         s.requests,
         s.failed,
         s.verified,
@@ -172,13 +177,22 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
         prefill_took
             .map(|d| format!("{:.1} s", d.as_secs_f64()))
             .unwrap_or("not within 30 s".into()),
+        match &prefill_failed {
+            Ok(n) => n.to_string(),
+            Err(e) => e.clone(),
+        },
         s2.figures()
     );
     let _ = code;
     if !s.all_terminal() || s.corrupt != 0 || s.failed == 0 || decode_took > window {
         return Ok(Verdict::Fail(figures));
     }
-    if prefill_took.is_none() || code2 != 0 || s2.verified != s2.requests || left != 0.0 {
+    if prefill_took.is_none()
+        || !prefill_failed.as_ref().is_ok_and(|n| *n >= 1.0)
+        || code2 != 0
+        || s2.verified != s2.requests
+        || left != 0.0
+    {
         return Ok(Verdict::Fail(figures));
     }
     Ok(Verdict::Pass(figures))
