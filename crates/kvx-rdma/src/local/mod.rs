@@ -302,7 +302,9 @@ impl SessionInner {
         let src_rx = self.local.table.receiver(Arc::new(NoInterrupt));
         self.local
             .table
-            .lease_many(&src_rx, ops.iter().map(|o| (o.src, o.len)), |s| srcs.push(s))?;
+            .lease_many(&src_rx, ops.iter().map(|o| (o.src, o.len)), |s| {
+                srcs.push(s)
+            })?;
         let mut pairs = Vec::with_capacity(ops.len());
         match &self.target {
             Target::InProcess(w) => {

@@ -21,8 +21,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::{AbortHandle, JoinSet};
 
-use crate::mem::RegionTable;
 use crate::conn_limit::ConnLimit;
+use crate::mem::RegionTable;
 use crate::mooncake::descriptor::{MooncakeBuffer, MooncakeDescriptor, PROTOCOL_TCP};
 use crate::mooncake::handshake::{
     self, CONNECTION_REPLY, HandshakeError, LEN_PREFIX, MAX_FRAME_LEN, NOTIFY_REPLY, PROBE_REPLY,

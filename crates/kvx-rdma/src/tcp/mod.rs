@@ -214,7 +214,10 @@ impl TcpTransport {
 
     /// Inbound connections with a receive thread right now.
     pub fn inbound_connections(&self) -> usize {
-        self.inner.server_ctx.as_ref().map_or(0, |c| c.conns.count())
+        self.inner
+            .server_ctx
+            .as_ref()
+            .map_or(0, |c| c.conns.count())
     }
 
     /// Stops serving: closes the listener and every inbound connection (peers see EOF) and
@@ -322,7 +325,9 @@ async fn connect_one(
         .map_err(|e| hs(format!("reading hello: {e}")))?;
     let reply = Hello::decode(&fixed).map_err(|e| hs(e.to_string()))?;
     if reply.status == HELLO_BAD_SECRET {
-        return Err(hs("peer refused the shared secret (missing or wrong)".into()));
+        return Err(hs(
+            "peer refused the shared secret (missing or wrong)".into()
+        ));
     }
     if reply.status != HELLO_OK || reply.version != VERSION {
         return Err(hs(format!(

@@ -33,8 +33,8 @@ use crate::segment::SegmentDescriptor;
 use crate::tcp::SharedSecret;
 use crate::tcp::io::{read_full, write_all};
 use crate::tcp::wire::{
-    Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, HELLO_BAD_SECRET, HELLO_BAD_VERSION,
-    HELLO_LEN, HELLO_OK, Hello, HelloError, MAX_SECRET_LEN, MAX_SENDER_DESC_LEN, VERSION,
+    Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, HELLO_BAD_SECRET, HELLO_BAD_VERSION, HELLO_LEN,
+    HELLO_OK, Hello, HelloError, MAX_SECRET_LEN, MAX_SENDER_DESC_LEN, VERSION,
 };
 
 /// How long writing one acknowledgement may block before the connection is dropped.
@@ -379,7 +379,10 @@ fn receive(
         };
         if conn.stopped() {
             // Evicted, or a region it writes into is being deregistered: not one more read.
-            return Err(io::Error::new(io::ErrorKind::Interrupted, "connection stopped"));
+            return Err(io::Error::new(
+                io::ErrorKind::Interrupted,
+                "connection stopped",
+            ));
         }
         if n == 0 {
             if have == 0 && matches!(state, State::Header) {
@@ -489,12 +492,7 @@ fn receive(
 
 /// Checks one write: `Some(Mem)` to receive it, `Some(Discard)` when rejected (its payload is
 /// drained), `None` when its length is above the limit (the connection must close).
-fn check_write(
-    ctx: &ServerCtx,
-    rx: &Receiver,
-    win: &mut Window,
-    e: Entry,
-) -> Option<RecvTarget> {
+fn check_write(ctx: &ServerCtx, rx: &Receiver, win: &mut Window, e: Entry) -> Option<RecvTarget> {
     if e.len > u64::from(ctx.max_write_len) {
         win.reject_fatal(RejectReason::TooLong, e.addr);
         return None;
