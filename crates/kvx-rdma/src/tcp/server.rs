@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::conn_limit::{Conn, ConnLimit, Refused, Slot};
@@ -201,9 +202,13 @@ fn looks_like_mooncake_request(first: &[u8; HELLO_LEN]) -> bool {
     first[..4] != crate::tcp::wire::MAGIC && (2..=1 << 20).contains(&len) && first[8] <= 3
 }
 
-/// Reads the sender's hello and answers it. `Ok(false)`: answered with a refusal status (the
-/// connection closes).
-async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> Result<bool, HelloRefusal> {
+/// Reads the sender's hello and answers it; an accepted sender is answered only once it has a
+/// receive slot (so a flood is paced by the server). `Ok(None)`: answered with a refusal
+/// status (the connection closes).
+async fn handshake(
+    stream: &TcpStream,
+    ctx: &ServerCtx,
+) -> Result<Option<OwnedSemaphorePermit>, HelloRefusal> {
     let mut fixed = [0u8; HELLO_LEN];
     read_full(stream, &mut fixed).await?;
     if looks_like_mooncake_request(&fixed) {
@@ -231,6 +236,11 @@ async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> Result<bool, HelloRef
     } else {
         HELLO_OK
     };
+    let permit = if status == HELLO_OK {
+        Some(ctx.conns.admit(ctx.handshake_timeout).await?)
+    } else {
+        None
+    };
     let mine = if status == HELLO_OK {
         ctx.table.descriptor(&ctx.endpoint).encode()
     } else {
@@ -248,7 +258,7 @@ async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> Result<bool, HelloRef
     if !authorized {
         return Err(HelloRefusal::BadSecret);
     }
-    Ok(status == HELLO_OK)
+    Ok(permit)
 }
 /// What the receive loop is reading.
 enum State {
@@ -303,13 +313,12 @@ impl Window {
 }
 
 async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> Result<(), HelloRefusal> {
-    match tokio::time::timeout(ctx.handshake_timeout, handshake(&stream, ctx)).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => return Ok(()),
+    let permit = match tokio::time::timeout(ctx.handshake_timeout, handshake(&stream, ctx)).await {
+        Ok(Ok(Some(permit))) => permit,
+        Ok(Ok(None)) => return Ok(()),
         Ok(Err(e)) => return Err(e),
         Err(_) => return Err(HelloRefusal::Timeout),
-    }
-    let permit = ctx.conns.admit(ctx.handshake_timeout).await?;
+    };
     // The data phase runs on a blocking thread with a blocking socket: the kernel sleeps and
     // wakes the thread directly (no readiness round trips), as a plain socket loop does.
     let stream = stream.into_std()?;
