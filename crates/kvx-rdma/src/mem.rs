@@ -339,7 +339,7 @@ impl RegionTable {
         });
         let id = self.next_rx.fetch_add(1, Ordering::Relaxed);
         let mut rx = lock(&self.receivers);
-        if id % 64 == 0 {
+        if id.is_multiple_of(64) {
             rx.retain(|_, w| w.strong_count() > 0);
         }
         rx.insert(id, Arc::downgrade(&shared));
@@ -691,6 +691,59 @@ mod tests {
         t.remove(k).unwrap();
         assert_eq!(t.check_keyed(k, 0x1000, 1), Err(RejectReason::BadKey));
         assert!(t.remove(k).is_err());
+    }
+
+    struct Flag(AtomicBool);
+
+    impl Interrupt for Flag {
+        fn interrupt(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn deregister_waits_for_the_lease_holder() {
+        let t = Arc::new(RegionTable::new());
+        let k = t.insert(0x1000, 0x1000).unwrap();
+        let other = t.insert(0x4000, 0x10).unwrap();
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let rx = t.receiver(flag.clone());
+        let idle = t.receiver(Arc::new(NoInterrupt));
+        assert!(t.lease_keyed(&rx, k, 0x1100, 0x10).is_ok());
+        assert!(t.lease_keyed(&idle, other, 0x4000, 0x10).is_ok());
+        assert!(rx.holds_any());
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let t2 = t.clone();
+        let h = std::thread::spawn(move || {
+            t2.deregister(k).unwrap();
+            done_tx.send(()).unwrap();
+        });
+        // The holder is interrupted; the call cannot return while the lease is held.
+        while !rx.is_interrupted() {
+            std::thread::yield_now();
+        }
+        assert!(flag.0.load(Ordering::SeqCst));
+        assert!(done.try_recv().is_err());
+        // No new lease on the region once it is going.
+        let late = t.receiver(Arc::new(NoInterrupt));
+        assert_eq!(
+            t.lease_keyed(&late, k, 0x1100, 1),
+            Err(RejectReason::BadKey)
+        );
+        rx.release();
+        done.recv().unwrap();
+        h.join().unwrap();
+        assert!(!idle.is_interrupted());
+        // Closing interrupts the remaining holder and waits for it.
+        let t3 = t.clone();
+        let h = std::thread::spawn(move || t3.close_receive());
+        while !idle.is_interrupted() {
+            std::thread::yield_now();
+        }
+        drop(idle);
+        h.join().unwrap();
+        assert!(t.is_closed());
+        assert!(t.lease_range(&late, 0x4000, 1).is_err());
     }
 
     #[test]
