@@ -58,6 +58,7 @@
 
 pub mod auto;
 mod batch;
+mod conn_limit;
 pub mod error;
 pub mod local;
 pub mod mem;
@@ -76,5 +77,5 @@ pub use local::LocalTransport;
 pub use mooncake::{MooncakeConfig, MooncakeTransport};
 pub use segment::{DescriptorError, RegionDesc, RegionKey, SegmentDescriptor};
 pub use shm::ShmRegion;
-pub use tcp::{TcpConfig, TcpTransport};
+pub use tcp::{SharedSecret, TcpConfig, TcpTransport};
 pub use transport::{BatchReport, BoxFuture, Session, Transport, write_to};

@@ -5,12 +5,21 @@
 //! pointer this crate forms has been checked against a registered region first. The unsafe
 //! blocks (vectored socket I/O straight from/into spans, and span-to-span copies) live here and
 //! nowhere else in the crate; each carries a `// SAFETY:` comment.
+//!
+//! A registration is a lease. Code that writes into (or reads from) a region on a peer's behalf
+//! — a receive thread, a same-host copy — does so through a [`Receiver`], which holds a
+//! [`Lease`] on every region it is using while it uses it. [`RegionTable::deregister`] takes
+//! the region out of the table (no new receive can start in it), interrupts every receiver
+//! holding it and returns only once none does; [`RegionTable::close_receive`] does the same for
+//! every region at once (transport shutdown and drop). After either returns, no byte of the
+//! region(s) is written by this crate.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::RwLock;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::time::Duration;
 
 use crate::error::{RejectReason, TransportError};
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
@@ -48,17 +57,127 @@ impl Span {
     }
 }
 
+/// The lease of one registered region: how many receivers use it right now, and whether it
+/// has left the table.
+pub struct Lease {
+    /// Receivers holding this lease.
+    busy: AtomicUsize,
+    /// Set once the region left the table (or the table stopped receiving).
+    gone: AtomicBool,
+    m: Mutex<()>,
+    idle: Condvar,
+}
+
+impl Lease {
+    fn new() -> Arc<Self> {
+        Arc::new(Lease {
+            busy: AtomicUsize::new(0),
+            gone: AtomicBool::new(false),
+            m: Mutex::new(()),
+            idle: Condvar::new(),
+        })
+    }
+
+    fn release(&self) {
+        if self.busy.fetch_sub(1, Ordering::SeqCst) == 1 && self.gone.load(Ordering::SeqCst) {
+            let _g = lock(&self.m);
+            self.idle.notify_all();
+        }
+    }
+
+    /// Blocks until no receiver holds the lease (`gone` must be set first).
+    fn wait_idle(&self) {
+        let mut g = lock(&self.m);
+        while self.busy.load(Ordering::SeqCst) != 0 {
+            // The timeout only guards against a missed wakeup; the loop re-checks the count.
+            g = self
+                .idle
+                .wait_timeout(g, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+/// Stops a receiver that holds a lease on a region being deregistered (e.g. shuts its socket
+/// down so that a blocked read returns).
+pub trait Interrupt: Send + Sync {
+    /// Asks the receiver to stop; it must release its leases soon after.
+    fn interrupt(&self);
+}
+
+/// An [`Interrupt`] that does nothing: for receivers that never block (memory copies).
+pub struct NoInterrupt;
+
+impl Interrupt for NoInterrupt {
+    fn interrupt(&self) {}
+}
+
+struct RxShared {
+    held: Mutex<Vec<Arc<Lease>>>,
+    interrupted: AtomicBool,
+    interrupt: Arc<dyn Interrupt>,
+}
+
+/// One user of registered memory on a peer's behalf (a receive thread, a copy). Every span it
+/// obtains through [`RegionTable::lease_keyed`] or [`RegionTable::lease_range`] stays leased
+/// until [`Receiver::release`] (or drop).
+pub struct Receiver {
+    shared: Arc<RxShared>,
+}
+
+impl Receiver {
+    /// True once a deregistration or [`RegionTable::close_receive`] asked this receiver to
+    /// stop; it must not start another read into memory.
+    pub fn is_interrupted(&self) -> bool {
+        self.shared.interrupted.load(Ordering::SeqCst)
+    }
+
+    /// Releases every lease held (the spans obtained so far must not be used any more).
+    pub fn release(&self) {
+        let held = std::mem::take(&mut *lock(&self.shared.held));
+        for l in held {
+            l.release();
+        }
+    }
+
+    /// True while a lease is held.
+    pub fn holds_any(&self) -> bool {
+        !lock(&self.shared.held).is_empty()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Clone)]
+struct Entry {
+    desc: RegionDesc,
+    lease: Arc<Lease>,
+}
+
 #[derive(Default)]
 struct Inner {
     /// Sorted by base, non-overlapping.
     regions: Vec<RegionDesc>,
-    by_key: HashMap<u32, RegionDesc>,
+    by_key: HashMap<u32, Entry>,
+    /// Set by [`RegionTable::close_receive`]: no new lease is granted.
+    closed: bool,
 }
 
 /// The regions a transport registered, with key and address lookups.
 pub struct RegionTable {
     inner: RwLock<Inner>,
     next_key: AtomicU32,
+    receivers: Mutex<HashMap<u64, Weak<RxShared>>>,
+    next_rx: AtomicU64,
 }
 
 impl Default for RegionTable {
@@ -78,6 +197,8 @@ impl RegionTable {
         RegionTable {
             inner: RwLock::new(Inner::default()),
             next_key: AtomicU32::new(seed | 1),
+            receivers: Mutex::new(HashMap::new()),
+            next_rx: AtomicU64::new(0),
         }
     }
 
@@ -127,14 +248,25 @@ impl RegionTable {
             key: RegionKey(key),
         };
         g.regions.insert(i, desc);
-        g.by_key.insert(key, desc);
+        g.by_key.insert(
+            key,
+            Entry {
+                desc,
+                lease: Lease::new(),
+            },
+        );
         Ok(desc.key)
     }
 
-    /// Removes a region.
+    /// Removes a region without waiting for its receivers (tables nobody receives into: a
+    /// sender's, a mapping table). Transports use [`RegionTable::deregister`].
     pub fn remove(&self, key: RegionKey) -> Result<(), TransportError> {
+        self.take(key).map(|_| ())
+    }
+
+    fn take(&self, key: RegionKey) -> Result<Entry, TransportError> {
         let mut g = self.write();
-        let desc = g
+        let e = g
             .by_key
             .remove(&key.0)
             .ok_or_else(|| TransportError::Registration {
@@ -142,7 +274,141 @@ impl RegionTable {
                 len: 0,
                 detail: format!("no region with key {key}"),
             })?;
-        g.regions.retain(|r| r.base != desc.base);
+        g.regions.retain(|r| r.base != e.desc.base);
+        // Under the write lock: no receiver can take the lease from now on.
+        e.lease.gone.store(true, Ordering::SeqCst);
+        Ok(e)
+    }
+
+    /// Removes a region and returns once no receiver uses it: receivers holding its lease are
+    /// interrupted, and this waits until each has released it. Afterwards nothing this table
+    /// leased writes into (or reads from) the region. Blocks; do not call it from a receiver.
+    pub fn deregister(&self, key: RegionKey) -> Result<RegionDesc, TransportError> {
+        let e = self.take(key)?;
+        self.interrupt_holders(|l| Arc::ptr_eq(l, &e.lease));
+        e.lease.wait_idle();
+        Ok(e.desc)
+    }
+
+    /// Stops every receive: no new lease is granted, every receiver holding one is
+    /// interrupted, and this returns once none holds one. Regions stay registered (the
+    /// descriptor is unchanged). Used by transport shutdown and drop.
+    pub fn close_receive(&self) {
+        let leases: Vec<Arc<Lease>> = {
+            let mut g = self.write();
+            g.closed = true;
+            g.by_key
+                .values()
+                .map(|e| {
+                    e.lease.gone.store(true, Ordering::SeqCst);
+                    e.lease.clone()
+                })
+                .collect()
+        };
+        self.interrupt_holders(|_| true);
+        for l in leases {
+            l.wait_idle();
+        }
+    }
+
+    /// True once [`RegionTable::close_receive`] ran.
+    pub fn is_closed(&self) -> bool {
+        self.read().closed
+    }
+
+    fn interrupt_holders(&self, hit: impl Fn(&Arc<Lease>) -> bool) {
+        let live: Vec<Arc<RxShared>> = lock(&self.receivers)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for rx in live {
+            if lock(&rx.held).iter().any(&hit) {
+                rx.interrupted.store(true, Ordering::SeqCst);
+                rx.interrupt.interrupt();
+            }
+        }
+    }
+
+    /// A new receiver of this table; `interrupt` stops it when a region it holds is being
+    /// deregistered (or the table closes).
+    pub fn receiver(&self, interrupt: Arc<dyn Interrupt>) -> Receiver {
+        let shared = Arc::new(RxShared {
+            held: Mutex::new(Vec::new()),
+            interrupted: AtomicBool::new(false),
+            interrupt,
+        });
+        let id = self.next_rx.fetch_add(1, Ordering::Relaxed);
+        let mut rx = lock(&self.receivers);
+        if id.is_multiple_of(64) {
+            rx.retain(|_, w| w.strong_count() > 0);
+        }
+        rx.insert(id, Arc::downgrade(&shared));
+        Receiver { shared }
+    }
+
+    /// Records that `rx` holds `lease` (called under the table's read lock, so that a
+    /// deregistration either sees the hold or the receiver fails its lookup).
+    fn hold(rx: &Receiver, lease: &Arc<Lease>) {
+        let mut held = lock(&rx.shared.held);
+        if !held.iter().any(|l| Arc::ptr_eq(l, lease)) {
+            lease.busy.fetch_add(1, Ordering::SeqCst);
+            held.push(lease.clone());
+        }
+    }
+
+    /// [`RegionTable::check_keyed`], and `rx` leases the region until it releases.
+    pub fn lease_keyed(
+        &self,
+        rx: &Receiver,
+        key: RegionKey,
+        addr: u64,
+        len: u64,
+    ) -> Result<Span, RejectReason> {
+        let g = self.read();
+        let e = g.by_key.get(&key.0).ok_or(RejectReason::BadKey)?;
+        if g.closed {
+            return Err(RejectReason::BadKey);
+        }
+        if !e.desc.contains(addr, len) {
+            return Err(RejectReason::OutOfBounds);
+        }
+        Self::hold(rx, &e.lease);
+        Ok(Span {
+            addr,
+            len: len as usize,
+        })
+    }
+
+    /// [`RegionTable::resolve`], and `rx` leases the region until it releases.
+    pub fn lease_range(&self, rx: &Receiver, addr: u64, len: u64) -> Result<Span, TransportError> {
+        let mut out = None;
+        self.lease_many(rx, std::iter::once((addr, len)), |s| out = Some(s))?;
+        out.ok_or(TransportError::LocalNotRegistered { addr, len })
+    }
+
+    /// [`RegionTable::resolve_many`], and `rx` leases every region used until it releases
+    /// (on an error, the leases taken so far stay with `rx` until it releases).
+    pub fn lease_many(
+        &self,
+        rx: &Receiver,
+        ranges: impl Iterator<Item = (u64, u64)>,
+        mut f: impl FnMut(Span),
+    ) -> Result<(), TransportError> {
+        let g = self.read();
+        for (addr, len) in ranges {
+            let i = g.regions.partition_point(|r| r.base <= addr);
+            let r = i
+                .checked_sub(1)
+                .and_then(|i| g.regions.get(i))
+                .filter(|r| !g.closed && r.contains(addr, len))
+                .and_then(|r| g.by_key.get(&r.key.0))
+                .ok_or(TransportError::LocalNotRegistered { addr, len })?;
+            Self::hold(rx, &r.lease);
+            f(Span {
+                addr,
+                len: len as usize,
+            });
+        }
         Ok(())
     }
 
@@ -157,7 +423,7 @@ impl RegionTable {
     /// Checks a write into `[addr, addr + len)` under `key` (the receiver-side check).
     pub fn check_keyed(&self, key: RegionKey, addr: u64, len: u64) -> Result<Span, RejectReason> {
         let g = self.read();
-        let r = g.by_key.get(&key.0).ok_or(RejectReason::BadKey)?;
+        let r = &g.by_key.get(&key.0).ok_or(RejectReason::BadKey)?.desc;
         if !r.contains(addr, len) {
             return Err(RejectReason::OutOfBounds);
         }
@@ -425,6 +691,59 @@ mod tests {
         t.remove(k).unwrap();
         assert_eq!(t.check_keyed(k, 0x1000, 1), Err(RejectReason::BadKey));
         assert!(t.remove(k).is_err());
+    }
+
+    struct Flag(AtomicBool);
+
+    impl Interrupt for Flag {
+        fn interrupt(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn deregister_waits_for_the_lease_holder() {
+        let t = Arc::new(RegionTable::new());
+        let k = t.insert(0x1000, 0x1000).unwrap();
+        let other = t.insert(0x4000, 0x10).unwrap();
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let rx = t.receiver(flag.clone());
+        let idle = t.receiver(Arc::new(NoInterrupt));
+        assert!(t.lease_keyed(&rx, k, 0x1100, 0x10).is_ok());
+        assert!(t.lease_keyed(&idle, other, 0x4000, 0x10).is_ok());
+        assert!(rx.holds_any());
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let t2 = t.clone();
+        let h = std::thread::spawn(move || {
+            t2.deregister(k).unwrap();
+            done_tx.send(()).unwrap();
+        });
+        // The holder is interrupted; the call cannot return while the lease is held.
+        while !rx.is_interrupted() {
+            std::thread::yield_now();
+        }
+        assert!(flag.0.load(Ordering::SeqCst));
+        assert!(done.try_recv().is_err());
+        // No new lease on the region once it is going.
+        let late = t.receiver(Arc::new(NoInterrupt));
+        assert_eq!(
+            t.lease_keyed(&late, k, 0x1100, 1),
+            Err(RejectReason::BadKey)
+        );
+        rx.release();
+        done.recv().unwrap();
+        h.join().unwrap();
+        assert!(!idle.is_interrupted());
+        // Closing interrupts the remaining holder and waits for it.
+        let t3 = t.clone();
+        let h = std::thread::spawn(move || t3.close_receive());
+        while !idle.is_interrupted() {
+            std::thread::yield_now();
+        }
+        drop(idle);
+        h.join().unwrap();
+        assert!(t.is_closed());
+        assert!(t.lease_range(&late, 0x4000, 1).is_err());
     }
 
     #[test]

@@ -322,29 +322,47 @@ async fn data_connections_are_bounded() {
         ..cfg()
     })
     .await;
-    let a = g.data();
-    let b = g.data();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while g.t.inbound_connections() < 2 {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut c = g.data();
-    assert!(drain(&mut c).is_empty(), "a third connection was served");
-    assert_eq!(g.t.inbound_connections(), 2);
-    drop((a, b));
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while g.t.inbound_connections() > 0 {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut d = g.data();
-    d.write_all(&Header::write(g.r1(), 1, true).encode())
+    let wait_until = |n: usize| {
+        let t = g.t.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while t.inbound_connections() != n {
+                assert!(Instant::now() < deadline);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    // `a` is inside a request (its payload half sent and landed), `b` never sends anything.
+    let mut a = g.data();
+    a.write_all(&Header::write(g.r1(), 8, true).encode())
         .unwrap();
-    d.write_all(&[7]).unwrap();
+    a.write_all(&[1; 4]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    // SAFETY: a volatile read of registered memory another thread writes.
+    while unsafe { std::ptr::read_volatile(g.r1() as *const u8).wrapping_add(3) } != 4 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut b = g.data();
+    wait_until(2).await;
+    // At the cap, a newcomer closes the silent one, not the busy one, and is served.
+    let mut c = g.data();
+    assert!(drain(&mut b).is_empty(), "the silent connection was kept");
+    c.write_all(&Header::write(g.r1() + 100, 1, true).encode())
+        .unwrap();
+    c.write_all(&[7]).unwrap();
     let mut ok = [0u8; 8];
-    d.read_exact(&mut ok).unwrap();
+    c.read_exact(&mut ok).unwrap();
     assert_eq!(Status::decode(&ok), Ok(Status::Ok));
+    assert_eq!(g.t.inbound_connections(), 2);
+    // The busy one finishes its request.
+    a.write_all(&[1; 4]).unwrap();
+    a.read_exact(&mut ok).unwrap();
+    assert_eq!(Status::decode(&ok), Ok(Status::Ok));
+    assert_eq!(&g.regions()[..8], &[1; 8]);
+    assert_eq!(g.regions()[100], 7);
+    drop((a, c));
+    wait_until(0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,9 @@
 //! A session copies straight from this side's registered regions into the peer's, after the same
 //! checks the tcp receiver makes (source inside a local region, destination inside one of the
 //! peer's regions). Large batches are copied on the blocking pool so tokio workers stay free.
+//! A copy in this process leases the regions it reads and writes (`crate::mem`'s leases) from
+//! its checks to its last byte, so `deregister` and dropping either transport return only once
+//! no copy touches the memory concerned.
 
 pub mod hostfile;
 
@@ -20,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use kvx_core::TransferOp;
 
 use crate::error::TransportError;
-use crate::mem::{self, RegionTable, Span};
+use crate::mem::{self, NoInterrupt, Receiver, RegionTable, Span};
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
 use crate::shm::{SHM_DIR, ShmRegion, valid_name};
 use crate::transport::{BatchReport, BoxFuture, Session, Transport};
@@ -140,6 +143,8 @@ impl Drop for LocalTransport {
         if !lock(&self.shared.shm).is_empty() {
             let _ = std::fs::remove_file(host_file_path(&self.name));
         }
+        // Sessions of this process may still hold the shared table: wait for their copies.
+        self.shared.table.close_receive();
     }
 }
 
@@ -152,8 +157,9 @@ impl Transport for LocalTransport {
         self.shared.table.insert(addr, len)
     }
 
+    /// Forgets a region; returns once no copy of this process reads or writes it.
     fn deregister(&self, key: RegionKey) -> Result<(), TransportError> {
-        self.shared.table.remove(key)?;
+        self.shared.table.deregister(key)?;
         if lock(&self.shared.shm).iter().any(|(k, _)| *k == key) {
             self.publish()?;
         }
@@ -197,10 +203,12 @@ impl Transport for LocalTransport {
                 }
             };
             Ok(Arc::new(LocalSession {
-                peer: peer.to_owned(),
-                desc,
-                local: self.shared.clone(),
-                target,
+                inner: Arc::new(SessionInner {
+                    peer: peer.to_owned(),
+                    desc,
+                    local: self.shared.clone(),
+                    target,
+                }),
             }) as Arc<dyn Session>)
         })
     }
@@ -268,23 +276,35 @@ enum Target {
     Host(Arc<HostPeer>),
 }
 
-/// Keeps the destination memory alive while a copy runs.
-type Guard = Box<dyn std::any::Any + Send>;
+/// Keeps the memory of a copy alive and leased while it runs: the leases (released on drop)
+/// and what keeps the peer's table or mappings alive.
+struct Guard {
+    _leases: Vec<Receiver>,
+    _keep: Box<dyn std::any::Any + Send + Sync>,
+}
 
 /// A session to a local peer.
 struct LocalSession {
+    inner: Arc<SessionInner>,
+}
+
+struct SessionInner {
     peer: String,
     desc: SegmentDescriptor,
     local: Arc<Shared>,
     target: Target,
 }
 
-impl LocalSession {
+impl SessionInner {
+    /// Checks every op and leases the regions they touch (held by the returned guard).
     fn check(&self, ops: &[TransferOp]) -> Result<(Vec<(Span, Span)>, Guard), TransportError> {
         let mut srcs = Vec::with_capacity(ops.len());
+        let src_rx = self.local.table.receiver(Arc::new(NoInterrupt));
         self.local
             .table
-            .resolve_many(ops.iter().map(|o| (o.src, o.len)), |s| srcs.push(s))?;
+            .lease_many(&src_rx, ops.iter().map(|o| (o.src, o.len)), |s| {
+                srcs.push(s)
+            })?;
         let mut pairs = Vec::with_capacity(ops.len());
         match &self.target {
             Target::InProcess(w) => {
@@ -292,9 +312,10 @@ impl LocalSession {
                     peer: self.peer.clone(),
                     detail: "local transport dropped".into(),
                 })?;
+                let dst_rx = remote.table.receiver(Arc::new(NoInterrupt));
                 remote
                     .table
-                    .resolve_many(ops.iter().map(|o| (o.dst, o.len)), |d| {
+                    .lease_many(&dst_rx, ops.iter().map(|o| (o.dst, o.len)), |d| {
                         pairs.push((srcs[pairs.len()], d))
                     })
                     .map_err(|e| match e {
@@ -303,7 +324,11 @@ impl LocalSession {
                         }
                         e => e,
                     })?;
-                Ok((pairs, Box::new(remote)))
+                let guard = Guard {
+                    _leases: vec![dst_rx, src_rx],
+                    _keep: Box::new(remote),
+                };
+                Ok((pairs, guard))
             }
             Target::Host(h) => {
                 if !h.alive() {
@@ -315,7 +340,11 @@ impl LocalSession {
                 for (op, s) in ops.iter().zip(srcs) {
                     pairs.push((s, h.span(op.dst, op.len)?));
                 }
-                Ok((pairs, Box::new(h.clone())))
+                let guard = Guard {
+                    _leases: vec![src_rx],
+                    _keep: Box::new(h.clone()),
+                };
+                Ok((pairs, guard))
             }
         }
     }
@@ -323,15 +352,15 @@ impl LocalSession {
 
 impl Session for LocalSession {
     fn peer(&self) -> &str {
-        &self.peer
+        &self.inner.peer
     }
 
     fn remote(&self) -> &SegmentDescriptor {
-        &self.desc
+        &self.inner.desc
     }
 
     fn is_alive(&self) -> bool {
-        match &self.target {
+        match &self.inner.target {
             Target::InProcess(w) => w.strong_count() > 0,
             Target::Host(h) => h.alive(),
         }
@@ -345,9 +374,11 @@ impl Session for LocalSession {
             ops: ops.len() as u64,
             bytes: TransferOp::total_bytes(&ops),
         };
-        let checked = self.check(&ops);
+        let inner = self.inner.clone();
         Box::pin(async move {
-            let (pairs, guard) = checked?;
+            // Checked (and leased) when first polled, so a future that is never polled holds
+            // no lease that a deregistration would wait for.
+            let (pairs, guard) = inner.check(&ops)?;
             let copy_all = move || {
                 for (s, d) in pairs {
                     mem::copy(s, d);

@@ -1,27 +1,27 @@
 //! The data server of the mooncake target: one blocking receive thread per connection.
 //!
-//! At most `max_data_connections` connections are served; beyond that a connection is closed
-//! at once. Each request header is checked (non-empty, no overflow, inside one registered
-//! region) before a payload byte is read; a WRITE is read with `readv` straight into the region
-//! (the same call takes the next header's bytes), a READ is sent from the region with
-//! `writev`; v1 and v2 requests may share a connection. A bad header is rejected (v2: the
-//! reject frame, then the connection is closed; v1: just closed), counted and logged; nothing
-//! else is affected. The range a thread is using is recorded, so that a deregistration can wait
-//! until no thread touches the region ([`Conns::quiesce`]); [`Conns::close_all`] shuts every
+//! At most `max_data_connections` connections are served (`crate::conn_limit`); a connection beyond
+//! that closes an idle one (first one that never sent a request — a silent peer —, else the
+//! longest idle) or, when every one is inside a request, is closed at once. Each request header
+//! is checked (non-empty, no overflow, inside one registered region) before a payload byte is
+//! read; a WRITE is read with `readv` straight into the region (the same call takes the next
+//! header's bytes), a READ is sent from the region with `writev`; v1 and v2 requests may share
+//! a connection. A bad header is rejected (v2: the reject frame, then the connection is closed;
+//! v1: just closed), counted and logged; nothing else is affected. A request leases its region
+//! from the table ([`crate::mem::Receiver`]) until it ends, so a deregistration shuts down a
+//! connection using the region and waits until it is done; [`ConnLimit::close_all`] shuts every
 //! connection and joins its thread, so none outlives the transport.
 
-use std::collections::HashMap;
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::mem::{self, IoPart, RecvTarget, RegionTable, Span};
+use crate::conn_limit::{Refused, Slot};
+use crate::mem::{self, IoPart, Receiver, RecvTarget, RegionTable, Span};
 use crate::mooncake::server::{ServeError, ServerCtx};
 use crate::mooncake::wire::{HEADER_LEN, Header, STATUS_ADDR_REJECTED, Status, WireError};
 
@@ -34,110 +34,6 @@ const REJECT_DRAIN_BYTES: u64 = 16 << 20;
 /// Stack of a receive thread (the loop keeps only a header on its stack).
 const RX_STACK: usize = 256 << 10;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The live data connections of a target.
-#[derive(Default)]
-pub(crate) struct Conns {
-    live: Mutex<HashMap<u64, Live>>,
-    next: AtomicU64,
-    closed: AtomicBool,
-}
-
-/// A live data connection as the server tracks it.
-struct Live {
-    stream: std::net::TcpStream,
-    handle: Option<JoinHandle<()>>,
-    slot: Arc<Slot>,
-}
-
-/// The memory range a receive thread is reading into or sending from right now.
-#[derive(Default)]
-struct Slot {
-    active: Mutex<Option<(u64, u64)>>,
-    idle: Condvar,
-}
-
-impl Slot {
-    /// Validates `h` and marks its range active, atomically with respect to
-    /// [`Conns::quiesce`].
-    fn enter(&self, table: &RegionTable, h: &Header) -> Result<Span, ServeError> {
-        let mut a = lock(&self.active);
-        let span = validate(table, h)?;
-        *a = Some((span.addr(), span.len() as u64));
-        Ok(span)
-    }
-
-    fn leave(&self) {
-        *lock(&self.active) = None;
-        self.idle.notify_all();
-    }
-}
-
-/// Clears a slot when the request ends, however it ends.
-struct Active<'a>(&'a Slot);
-
-impl Drop for Active<'_> {
-    fn drop(&mut self) {
-        self.0.leave();
-    }
-}
-
-fn overlaps(a: Option<(u64, u64)>, base: u64, len: u64) -> bool {
-    a.is_some_and(|(addr, n)| addr < base.saturating_add(len) && base < addr.saturating_add(n))
-}
-
-impl Conns {
-    /// Number of live data connections.
-    pub fn count(&self) -> usize {
-        lock(&self.live).len()
-    }
-
-    /// Called after `[base, base + len)` left the region table: connections reading into or
-    /// sending from it right now are shut down, and this returns once none touches it.
-    pub fn quiesce(&self, base: u64, len: u64) {
-        let busy: Vec<Arc<Slot>> = lock(&self.live)
-            .values()
-            .filter(|l| overlaps(*lock(&l.slot.active), base, len))
-            .map(|l| {
-                let _ = l.stream.shutdown(std::net::Shutdown::Both);
-                l.slot.clone()
-            })
-            .collect();
-        for slot in busy {
-            let mut a = lock(&slot.active);
-            while overlaps(*a, base, len) {
-                a = slot
-                    .idle
-                    .wait_timeout(a, Duration::from_millis(50))
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|p| p.into_inner().0);
-            }
-        }
-    }
-
-    /// Stops taking data connections, shuts every live one down and joins its thread.
-    pub fn close_all(&self) {
-        let conns: Vec<Live> = {
-            let mut live = lock(&self.live);
-            self.closed.store(true, Ordering::SeqCst);
-            live.drain().map(|(_, v)| v).collect()
-        };
-        for l in &conns {
-            let _ = l.stream.shutdown(std::net::Shutdown::Both);
-        }
-        for l in conns {
-            if let Some(h) = l.handle
-                && h.thread().id() != std::thread::current().id()
-            {
-                let _ = h.join();
-            }
-        }
-    }
-}
-
 /// Accepts data connections until `stop` fires; each gets its own receive thread.
 pub(crate) async fn data_loop(
     listener: TcpListener,
@@ -149,7 +45,14 @@ pub(crate) async fn data_loop(
             _ = &mut stop => break,
             r = listener.accept() => match r {
                 Ok((stream, addr)) => {
-                    if let Err(e) = start_data_conn(stream, &ctx) {
+                    let admitted = tokio::select! {
+                        _ = &mut stop => break,
+                        p = ctx.conns.admit(ctx.limits.handshake_timeout) => p,
+                    };
+                    let started = admitted
+                        .map_err(io::Error::other)
+                        .and_then(|permit| start_data_conn(stream, &ctx, permit));
+                    if let Err(e) = started {
                         metrics::counter!("kvx_mooncake_data_conn_errors_total",
                             "cause" => "refused").increment(1);
                         tracing::warn!(%addr, error = %e, "mooncake data connection refused");
@@ -166,7 +69,11 @@ pub(crate) async fn data_loop(
     }
 }
 
-fn start_data_conn(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
+fn start_data_conn(
+    stream: TcpStream,
+    ctx: &Arc<ServerCtx>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> io::Result<()> {
     let _ = stream.set_nodelay(true);
     if let Some(n) = ctx.limits.socket_buffer {
         let sock = socket2::SockRef::from(&stream);
@@ -176,28 +83,23 @@ fn start_data_conn(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
     stream.set_write_timeout(Some(DATA_WRITE_TIMEOUT))?;
-    let mut live = lock(&ctx.conns.live);
-    if ctx.conns.closed.load(Ordering::SeqCst) {
-        return Err(io::Error::other("transport closed"));
-    }
-    if live.len() >= ctx.limits.max_data_connections.max(1) {
-        return Err(io::Error::other(format!(
-            "{} data connections already open",
-            live.len()
-        )));
-    }
-    let id = ctx.conns.next.fetch_add(1, Ordering::Relaxed);
-    let clone = stream.try_clone()?;
-    let slot = Arc::new(Slot::default());
-    let slot2 = slot.clone();
+    let slot = ctx
+        .conns
+        .register(permit, stream.try_clone()?)
+        .map_err(|e: Refused| io::Error::other(e.to_string()))?;
+    let rx = ctx.table.receiver(slot.conn().clone());
+    let conn = slot.conn().clone();
     let ctx2 = ctx.clone();
     let handle = std::thread::Builder::new()
         .name("kvx-mc-rx".into())
         .stack_size(RX_STACK)
         .spawn(move || {
             let peer = stream.peer_addr().ok();
-            match receive(&stream, &ctx2, &slot2) {
+            match receive(&stream, &ctx2, &slot, &rx) {
                 Ok(bytes) => tracing::debug!(?peer, bytes, "mooncake data connection closed"),
+                Err(e) if slot.conn().stopped() => {
+                    tracing::debug!(?peer, error = %e, "mooncake data connection stopped")
+                }
                 Err(e) => {
                     metrics::counter!("kvx_mooncake_data_conn_errors_total", "cause" => e.cause())
                         .increment(1);
@@ -205,16 +107,10 @@ fn start_data_conn(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
                 }
             }
             let _ = stream.shutdown(std::net::Shutdown::Both);
-            lock(&ctx2.conns.live).remove(&id);
+            drop(rx);
+            drop(slot);
         })?;
-    live.insert(
-        id,
-        Live {
-            stream: clone,
-            handle: Some(handle),
-            slot,
-        },
-    );
+    conn.set_handle(handle);
     Ok(())
 }
 
@@ -231,8 +127,8 @@ fn write_all(stream: &std::net::TcpStream, parts: &[IoPart<'_>]) -> io::Result<u
     mem::writev_all(stream.as_raw_fd(), parts)
 }
 
-/// Checks a header: non-empty, no overflow, inside one registered region.
-fn validate(table: &RegionTable, h: &Header) -> Result<Span, ServeError> {
+/// Checks a header: non-empty, no overflow, inside one registered region (leased by `rx`).
+fn validate(table: &RegionTable, rx: &Receiver, h: &Header) -> Result<Span, ServeError> {
     let rejected = |detail: String, cause| ServeError::Rejected {
         addr: h.addr,
         size: h.size,
@@ -242,7 +138,7 @@ fn validate(table: &RegionTable, h: &Header) -> Result<Span, ServeError> {
     h.check()
         .map_err(|e: WireError| rejected(e.to_string(), e.cause()))?;
     table
-        .resolve(h.addr, h.size)
+        .lease_range(rx, h.addr, h.size)
         .map_err(|_| rejected("not within any registered buffer".into(), "not_registered"))
 }
 
@@ -267,14 +163,35 @@ fn reject_v2(stream: &std::net::TcpStream) {
 }
 
 /// The receive loop of one data connection (blocking). Returns the bytes written into memory.
-fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx, slot: &Slot) -> Result<u64, ServeError> {
+fn receive(
+    stream: &std::net::TcpStream,
+    ctx: &ServerCtx,
+    slot: &Slot,
+    rx: &Receiver,
+) -> Result<u64, ServeError> {
     let fd = stream.as_raw_fd();
+    let conn = slot.conn();
+    let stopped = || {
+        ServeError::Io(io::Error::new(
+            io::ErrorKind::Interrupted,
+            "connection stopped",
+        ))
+    };
     let mut hdr = [0u8; HEADER_LEN];
     let mut have = 0usize;
     let mut total = 0u64;
     loop {
+        // Leases end with the request that took them.
+        rx.release();
+        if have == 0 {
+            conn.idle(slot.limit().tick());
+        }
         while have < HEADER_LEN {
             let n = retry(|| mem::readv_targets(fd, &[], 0, &mut [], &mut hdr[have..]))?;
+            if conn.stopped() {
+                return Err(stopped());
+            }
+            conn.busy();
             if n == 0 {
                 if have == 0 {
                     return Ok(total);
@@ -289,7 +206,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx, slot: &Slot) -> Result
         }
         have = 0;
         let h = Header::decode(&hdr);
-        let span = match slot.enter(&ctx.table, &h) {
+        let span = match validate(&ctx.table, rx, &h) {
             Ok(s) => s,
             Err(e) => {
                 metrics::counter!("kvx_mooncake_rejects_total", "cause" => e.cause()).increment(1);
@@ -299,13 +216,15 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx, slot: &Slot) -> Result
                 return Err(e);
             }
         };
-        let _active = Active(slot);
         if h.is_write() {
             // Payload straight into the region; the same readv takes the next header's bytes.
             let target = [RecvTarget::Mem(span)];
             let mut off = 0usize;
             while off < span.len() {
                 let n = retry(|| mem::readv_targets(fd, &target, off, &mut [], &mut hdr))?;
+                if conn.stopped() {
+                    return Err(stopped());
+                }
                 if n == 0 {
                     metrics::counter!("kvx_mooncake_bytes_received_total").increment(off as u64);
                     return Err(ServeError::Truncated {

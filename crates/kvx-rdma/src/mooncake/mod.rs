@@ -87,9 +87,12 @@ pub struct MooncakeConfig {
     pub connect_timeout: Duration,
     /// Target: how long a handshake peer may take to send its request.
     pub handshake_timeout: Duration,
-    /// Target: handshake connections served at once (more wait in the backlog).
+    /// Target: handshake connections served at once; a newer one closes the oldest still
+    /// being served (no thread is used for them).
     pub max_handshake_connections: usize,
-    /// Target: data connections (receive threads) at once; more are closed at once.
+    /// Target: data connections (receive threads) at once. A connection beyond that closes an
+    /// idle one (first one that never sent a request, else the longest idle) or, when every
+    /// one is inside a request, is closed at once.
     pub max_data_connections: usize,
     /// Target: host written into the session id and `tcp_data_host` instead of the bound one.
     pub advertise_host: Option<String>,
@@ -386,18 +389,7 @@ impl Transport for MooncakeTransport {
     /// Forgets a region; returns once no receive thread reads into or sends from it (a
     /// connection doing so right now is shut down).
     fn deregister(&self, key: RegionKey) -> Result<(), TransportError> {
-        let region = self
-            .inner
-            .table
-            .descriptor("")
-            .regions
-            .into_iter()
-            .find(|r| r.key == key);
-        self.inner.table.remove(key)?;
-        if let (Some(r), Some(s)) = (region, &self.inner.server) {
-            s.ctx.quiesce(r.base, r.len);
-        }
-        Ok(())
+        self.inner.table.deregister(key).map(|_| ())
     }
 
     fn descriptor(&self) -> SegmentDescriptor {

@@ -2,24 +2,27 @@
 //! names, the limits, [`ServeError`]) and the handshake server (the data server is `data`).
 //!
 //! The handshake server (tokio) accepts connections concurrently, at most
-//! `max_handshake_connections` at a time (the rest wait in the listen backlog, so one slow peer
-//! never stalls the others), reads one frame within `handshake_timeout`, answers it with the
+//! `max_handshake_connections` at a time (a newer connection closes the oldest one still being
+//! served — a real request takes one round trip, so a flood of silent peers cannot keep a good
+//! one waiting; none of this uses a thread), reads one frame within `handshake_timeout` (its
+//! body buffer grows with the bytes that arrive, up to 1 MiB), answers it with the
 //! same type (Metadata: this side's descriptor, rebuilt from the region table on every request;
 //! Probe, Notify, Connection: Mooncake's fixed replies; an old-protocol frame is a Connection
 //! answered without a type byte), shuts its write side down and closes once the peer closes or
 //! after a short linger. A malformed request is counted, logged and dropped without a reply.
 
+use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, oneshot};
-use tokio::task::JoinSet;
+use tokio::sync::oneshot;
+use tokio::task::{AbortHandle, JoinSet};
 
+use crate::conn_limit::ConnLimit;
 use crate::mem::RegionTable;
-use crate::mooncake::data::Conns;
 use crate::mooncake::descriptor::{MooncakeBuffer, MooncakeDescriptor, PROTOCOL_TCP};
 use crate::mooncake::handshake::{
     self, CONNECTION_REPLY, HandshakeError, LEN_PREFIX, MAX_FRAME_LEN, NOTIFY_REPLY, PROBE_REPLY,
@@ -101,7 +104,7 @@ pub(crate) struct ServerCtx {
     pub data_port: u16,
     pub limits: Limits,
     /// The live data connections.
-    pub conns: Conns,
+    pub conns: Arc<ConnLimit>,
 }
 
 impl ServerCtx {
@@ -118,7 +121,7 @@ impl ServerCtx {
             data_host,
             data_port,
             limits,
-            conns: Conns::default(),
+            conns: ConnLimit::new(limits.max_data_connections, "mooncake_data"),
         }
     }
 
@@ -147,14 +150,10 @@ impl ServerCtx {
         self.conns.count()
     }
 
-    /// See [`Conns::quiesce`].
-    pub fn quiesce(&self, base: u64, len: u64) {
-        self.conns.quiesce(base, len);
-    }
-
-    /// See [`Conns::close_all`].
+    /// Stops taking data connections, shuts every live one down and joins its thread.
     pub fn close_all(&self) {
-        self.conns.close_all();
+        self.conns.close_all(true);
+        self.table.close_receive();
     }
 }
 
@@ -170,20 +169,26 @@ pub(crate) async fn handshake_loop(
     ctx: Arc<ServerCtx>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    let permits = Arc::new(Semaphore::new(ctx.limits.max_handshake_connections.max(1)));
+    let max = ctx.limits.max_handshake_connections.max(1);
     let mut tasks = JoinSet::new();
+    // Connections being served, oldest first (finished ones are skipped lazily).
+    let mut open: VecDeque<AbortHandle> = VecDeque::new();
     loop {
-        let accept = async {
-            let permit = permits.clone().acquire_owned().await;
-            (permit, listener.accept().await)
-        };
         tokio::select! {
             _ = &mut stop => break,
-            (permit, r) = accept => match (permit, r) {
-                (Ok(permit), Ok((stream, addr))) => {
+            r = listener.accept() => match r {
+                Ok((stream, addr)) => {
+                    open.retain(|h| !h.is_finished());
+                    if open.len() >= max
+                        && let Some(oldest) = open.pop_front()
+                    {
+                        oldest.abort();
+                        metrics::counter!("kvx_mooncake_handshake_errors_total", "side" => "server",
+                            "cause" => "evicted").increment(1);
+                        tracing::debug!("mooncake handshake limit reached: oldest connection closed");
+                    }
                     let ctx = ctx.clone();
-                    tasks.spawn(async move {
-                        let _permit = permit;
+                    open.push_back(tasks.spawn(async move {
                         match serve_handshake(stream, &ctx).await {
                             Ok(kind) => {
                                 metrics::counter!("kvx_mooncake_handshake_requests_total",
@@ -195,15 +200,14 @@ pub(crate) async fn handshake_loop(
                                 tracing::warn!(%addr, error = %e, "mooncake handshake dropped");
                             }
                         }
-                    });
+                    }));
                 }
-                (_, Err(e)) => {
+                Err(e) => {
                     metrics::counter!("kvx_mooncake_accept_errors_total", "port" => "handshake")
                         .increment(1);
                     tracing::warn!(error = %e, "mooncake handshake accept failed");
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                (Err(_), Ok(_)) => break,
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
         }
@@ -229,9 +233,13 @@ async fn read_request(
         have += n;
     }
     let len = handshake::body_len(&prefix)?;
-    let mut body = vec![0u8; len];
+    // Grown as bytes arrive: a peer that announces 1 MiB and sends nothing costs nothing.
+    let mut body = vec![0u8; len.min(16 << 10)];
     let mut have = 0;
     while have < len {
+        if have == body.len() {
+            body.resize(len.min(have.saturating_mul(2)), 0);
+        }
         let n = stream.read(&mut body[have..]).await?;
         if n == 0 {
             return Err(HandshakeError::Truncated {

@@ -5,13 +5,18 @@
 //! sessions ([`Transport::connect`]) that are cached per peer and replaced once broken. The wire
 //! protocol is in `docs/tcp-transport.md` and [`wire`]; the receiving side in `server`, the
 //! sending side in `client`.
+//!
+//! Teardown is safe for the registered memory: [`Transport::deregister`],
+//! [`TcpTransport::shutdown`] and dropping the transport return only once no receive thread
+//! writes into the memory concerned (see `crate::mem`'s leases). The receiver bounds what
+//! peers can hold: hellos in progress, connections with a receive thread, hello size, and
+//! optionally a [`SharedSecret`] every sender's hello must carry.
 
 mod client;
 mod io;
 mod server;
 pub mod wire;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,12 +26,51 @@ use tokio::task::JoinHandle;
 
 pub use client::TcpSession;
 
+use crate::conn_limit::ConnLimit;
 use crate::error::TransportError;
 use crate::mem::RegionTable;
 use crate::segment::{RegionKey, SegmentDescriptor};
 use crate::session_cache::SessionCache;
 use crate::transport::{BoxFuture, Session, Transport};
-use wire::{HELLO_LEN, HELLO_OK, Hello, VERSION};
+use wire::{HELLO_BAD_SECRET, HELLO_LEN, HELLO_OK, Hello, MAX_SECRET_LEN, VERSION};
+
+/// A shared secret for the tcp hello: a receiver configured with one serves only senders
+/// whose hello carries the same bytes (others get status 2 and no descriptor, and are closed).
+/// It keeps stray or unauthorized peers out of a trusted network; it is sent in clear, so it
+/// is no protection against an eavesdropper. `Debug` does not print it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SharedSecret(Arc<[u8]>);
+
+impl SharedSecret {
+    /// A secret of 1 to [`MAX_SECRET_LEN`] (256) bytes; `None` otherwise.
+    pub fn new(bytes: impl AsRef<[u8]>) -> Option<Self> {
+        let b = bytes.as_ref();
+        (!b.is_empty() && b.len() <= MAX_SECRET_LEN as usize).then(|| SharedSecret(b.into()))
+    }
+
+    /// The secret's bytes (sent in the hello).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Compares with `other` in time independent of where they differ.
+    pub fn matches(&self, other: &[u8]) -> bool {
+        if other.len() != self.0.len() {
+            return false;
+        }
+        self.0
+            .iter()
+            .zip(other)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+impl std::fmt::Debug for SharedSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedSecret(<{} bytes>)", self.0.len())
+    }
+}
 
 /// Tuning and limits of the tcp backend.
 #[derive(Clone, Debug)]
@@ -51,6 +95,16 @@ pub struct TcpConfig {
     pub advertise: Option<String>,
     /// `SO_SNDBUF`/`SO_RCVBUF` for every connection; `None` keeps the kernel's autotuning.
     pub socket_buffer: Option<usize>,
+    /// Receiver: connections served at once (one receive thread each). A connection beyond
+    /// that closes an idle one (first one that never sent a write, else the longest idle)
+    /// or, when all are busy, is refused (`kvx_tcp_conns_refused_total`).
+    pub max_connections: usize,
+    /// Receiver: hellos read at once; a newer connection closes the oldest one still in its
+    /// hello. Each hello must arrive within `connect_timeout`.
+    pub max_handshakes: usize,
+    /// Both sides: the shared secret. A sender sends it in every hello; a receiver with one
+    /// refuses hellos without it. `None` (default): no check, and no secret sent.
+    pub secret: Option<SharedSecret>,
 }
 
 impl Default for TcpConfig {
@@ -66,6 +120,9 @@ impl Default for TcpConfig {
             max_write_len: 16 << 20,
             advertise: None,
             socket_buffer: None,
+            max_connections: 1024,
+            max_handshakes: 64,
+            secret: None,
         }
     }
 }
@@ -89,10 +146,12 @@ impl Drop for Inner {
         {
             h.0.abort();
         }
-        // Receive threads must not outlive the transport (its regions may be freed next).
+        // No receive thread may write into the regions once the transport is gone (they may
+        // be freed next): close every connection, then wait for writes in progress.
         if let Some(ctx) = &self.server_ctx {
             ctx.close_all();
         }
+        self.table.close_receive();
     }
 }
 
@@ -115,9 +174,9 @@ impl TcpTransport {
             max_write_len: cfg.max_write_len,
             handshake_timeout: cfg.connect_timeout,
             socket_buffer: cfg.socket_buffer,
-            live: Mutex::new(HashMap::new()),
-            next_conn: Default::default(),
-            closed: Default::default(),
+            max_handshakes: cfg.max_handshakes,
+            secret: cfg.secret.clone(),
+            conns: ConnLimit::new(cfg.max_connections, "tcp"),
         });
         let (stop, stopped) = oneshot::channel();
         let handle = tokio::spawn(server::accept_loop(listener, ctx.clone(), stopped));
@@ -153,8 +212,17 @@ impl TcpTransport {
         &self.inner.cfg
     }
 
+    /// Inbound connections with a receive thread right now.
+    pub fn inbound_connections(&self) -> usize {
+        self.inner
+            .server_ctx
+            .as_ref()
+            .map_or(0, |c| c.conns.count())
+    }
+
     /// Stops serving: closes the listener and every inbound connection (peers see EOF) and
-    /// returns once they are closed.
+    /// returns once they are closed and no receive thread writes into registered memory any
+    /// more (the regions stay registered).
     pub async fn shutdown(&self) {
         let server = self
             .inner
@@ -166,12 +234,27 @@ impl TcpTransport {
             let _ = stop.send(());
             let _ = handle.await;
         }
+        if let Some(ctx) = &self.inner.server_ctx {
+            ctx.close_all();
+            let table = self.inner.table.clone();
+            if tokio::task::spawn_blocking(move || table.close_receive())
+                .await
+                .is_err()
+            {
+                self.inner.table.close_receive();
+            }
+        }
     }
 
     /// Opens a fresh session (not cached).
     pub async fn open_session(&self, peer: &str) -> Result<TcpSession, TransportError> {
         let cfg = &self.inner.cfg;
-        let mine = self.inner.table.descriptor(&self.inner.endpoint).encode();
+        // The receiver does not use the sender's regions: the hello names the endpoint only.
+        let mine = SegmentDescriptor {
+            endpoint: self.inner.endpoint.clone(),
+            regions: Vec::new(),
+        }
+        .encode();
         let mut streams = Vec::with_capacity(cfg.connections.max(1));
         let mut remote = None;
         for _ in 0..cfg.connections.max(1) {
@@ -225,20 +308,27 @@ async fn connect_one(
         let _ = sock.set_send_buffer_size(n);
         let _ = sock.set_recv_buffer_size(n);
     }
+    let secret = cfg.secret.as_ref().map_or(&[][..], SharedSecret::as_bytes);
     let hello = Hello {
         version: VERSION,
         status: 0,
-        param: 0,
+        param: secret.len() as u32,
         desc_len: mine.len() as u32,
     };
     let mut out = hello.encode().to_vec();
     out.extend_from_slice(mine);
+    out.extend_from_slice(secret);
     io::write_all(&stream, &out).await.map_err(unreachable)?;
     let mut fixed = [0u8; HELLO_LEN];
     io::read_full(&stream, &mut fixed)
         .await
         .map_err(|e| hs(format!("reading hello: {e}")))?;
     let reply = Hello::decode(&fixed).map_err(|e| hs(e.to_string()))?;
+    if reply.status == HELLO_BAD_SECRET {
+        return Err(hs(
+            "peer refused the shared secret (missing or wrong)".into()
+        ));
+    }
     if reply.status != HELLO_OK || reply.version != VERSION {
         return Err(hs(format!(
             "peer refused: status {} version {}",
@@ -263,8 +353,10 @@ impl Transport for TcpTransport {
         self.inner.table.insert(addr, len)
     }
 
+    /// Forgets a region; returns once no receive thread writes into it (a connection doing
+    /// so right now is shut down).
     fn deregister(&self, key: RegionKey) -> Result<(), TransportError> {
-        self.inner.table.remove(key)
+        self.inner.table.deregister(key).map(|_| ())
     }
 
     fn descriptor(&self) -> SegmentDescriptor {

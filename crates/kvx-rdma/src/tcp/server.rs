@@ -7,29 +7,41 @@
 //! written to registered memory) and reported in the next acknowledgement; an oversized length
 //! or a malformed header is reported and the connection closed (the stream cannot be resynced).
 //! A connection's failure never affects the listener or other connections.
+//!
+//! Bounds: at most `max_handshakes` hellos are read at once (a newer connection closes the
+//! oldest one still in its hello), each within the handshake timeout and at most
+//! [`MAX_SENDER_DESC_LEN`] + [`MAX_SECRET_LEN`] bytes; at most `max_connections` connections get
+//! a receive thread ([`ConnLimit`]: an idle one is closed to make room, or the newcomer is
+//! refused). Every destination a thread writes into is leased from the region table while the
+//! payload is read ([`crate::mem::Receiver`]), so a deregistration, `shutdown()` or drop
+//! returns only once no thread writes into the memory concerned.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::io;
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::task::{AbortHandle, JoinSet};
 
+use crate::conn_limit::{Conn, ConnLimit, Refused, Slot};
 use crate::error::RejectReason;
-use crate::mem::{self, RecvTarget, RegionTable};
+use crate::mem::{self, Receiver, RecvTarget, RegionTable};
 use crate::segment::SegmentDescriptor;
+use crate::tcp::SharedSecret;
 use crate::tcp::io::{read_full, write_all};
 use crate::tcp::wire::{
-    Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, HELLO_BAD_VERSION, HELLO_LEN, HELLO_OK, Hello,
-    VERSION,
+    Ack, ClientFrame, ENTRY_LEN, Entry, HEADER_LEN, HELLO_BAD_SECRET, HELLO_BAD_VERSION, HELLO_LEN,
+    HELLO_OK, Hello, HelloError, MAX_SECRET_LEN, MAX_SENDER_DESC_LEN, VERSION,
 };
 
 /// How long writing one acknowledgement may block before the connection is dropped.
 const ACK_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Stack of a receive thread (the loop keeps only a header on its stack).
+const RX_STACK: usize = 256 << 10;
 
 /// What the accept loop needs.
 pub(crate) struct ServerCtx {
@@ -38,25 +50,69 @@ pub(crate) struct ServerCtx {
     pub max_write_len: u32,
     pub handshake_timeout: Duration,
     pub socket_buffer: Option<usize>,
-    /// Sockets of the connections in their data phase (shut down on stop).
-    pub live: Mutex<HashMap<u64, std::net::TcpStream>>,
-    pub next_conn: AtomicU64,
-    /// Set once the transport stops serving.
-    pub closed: std::sync::atomic::AtomicBool,
+    /// Hellos read at once at most.
+    pub max_handshakes: usize,
+    /// The secret a sender's hello must carry, if any.
+    pub secret: Option<SharedSecret>,
+    /// The connections in their data phase (one receive thread each).
+    pub conns: Arc<ConnLimit>,
 }
 
 impl ServerCtx {
-    /// Shuts down every connection in its data phase (their receive threads see EOF and end).
+    /// Shuts down every connection in its data phase (their receive threads see EOF and end)
+    /// and refuses new ones.
     pub fn close_all(&self) {
-        self.closed.store(true, Ordering::SeqCst);
-        for s in lock(&self.live).values() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        self.conns.close_all(false);
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+/// Why a connection was dropped during its hello.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloRefusal {
+    /// The fixed part of the hello is malformed.
+    #[error(transparent)]
+    Malformed(#[from] HelloError),
+    /// The sender's descriptor is larger than a sender's hello needs.
+    #[error("sender descriptor of {0} bytes above the {MAX_SENDER_DESC_LEN}-byte limit")]
+    DescTooLarge(u32),
+    /// The announced secret is longer than any secret this side accepts.
+    #[error("secret of {0} bytes above the {MAX_SECRET_LEN}-byte limit")]
+    SecretTooLong(u32),
+    /// The sender's descriptor does not decode.
+    #[error("bad sender descriptor: {0}")]
+    BadDescriptor(String),
+    /// This side requires a shared secret and the sender's is missing or wrong.
+    #[error("shared secret missing or wrong")]
+    BadSecret,
+    /// A Mooncake TE handshake request (an `auto` prefill probing the port), not a hello.
+    #[error("a Mooncake TE handshake request, not a kvx hello")]
+    Foreign,
+    /// The hello did not arrive within the handshake timeout.
+    #[error("hello timed out")]
+    Timeout,
+    /// No receive slot (connection limit).
+    #[error("refused: {0}")]
+    Refused(#[from] Refused),
+    /// A socket error.
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl HelloRefusal {
+    /// A short stable label (metrics).
+    pub fn cause(&self) -> &'static str {
+        match self {
+            HelloRefusal::Malformed(_) => "malformed",
+            HelloRefusal::DescTooLarge(_) => "desc_too_large",
+            HelloRefusal::SecretTooLong(_) => "secret_too_long",
+            HelloRefusal::BadDescriptor(_) => "bad_descriptor",
+            HelloRefusal::BadSecret => "bad_secret",
+            HelloRefusal::Foreign => "foreign_probe",
+            HelloRefusal::Timeout => "timeout",
+            HelloRefusal::Refused(r) => r.cause(),
+            HelloRefusal::Io(_) => "io",
+        }
+    }
 }
 
 /// Accepts connections until `stop` fires (or the task is aborted); then closes every inbound
@@ -67,6 +123,8 @@ pub(crate) async fn accept_loop(
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     let mut conns = JoinSet::new();
+    // Connections in their hello, oldest first (finished ones are skipped lazily).
+    let mut hellos: VecDeque<AbortHandle> = VecDeque::new();
     loop {
         tokio::select! {
             _ = &mut stop => {
@@ -83,22 +141,42 @@ pub(crate) async fn accept_loop(
                         let _ = sock.set_send_buffer_size(n);
                         let _ = sock.set_recv_buffer_size(n);
                     }
+                    hellos.retain(|h| !h.is_finished());
+                    if hellos.len() >= ctx.max_handshakes.max(1)
+                        && let Some(oldest) = hellos.pop_front()
+                    {
+                        // Many peers in their hello at once: the oldest is the likeliest to be
+                        // silent; a real sender's hello takes one round trip.
+                        oldest.abort();
+                        metrics::counter!("kvx_tcp_conns_refused_total", "cause" => "hello_evicted")
+                            .increment(1);
+                        tracing::debug!("tcp transport: too many hellos at once, oldest closed");
+                    }
                     let ctx = ctx.clone();
-                    conns.spawn(async move {
+                    hellos.push_back(conns.spawn(async move {
                         match serve(stream, &ctx).await {
                             Ok(()) => tracing::debug!(%addr, "tcp transport connection closed"),
-                            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                            Err(HelloRefusal::Foreign) => {
                                 // A prefill on the `auto` backend asking whether this port is
                                 // Mooncake TE's: it is not, and the peer falls back to kvx's tcp.
                                 metrics::counter!("kvx_tcp_foreign_probes_total").increment(1);
-                                tracing::debug!(%addr, error = %e, "tcp transport: foreign probe closed");
+                                tracing::debug!(%addr, "tcp transport: foreign probe closed");
+                            }
+                            Err(HelloRefusal::Refused(r)) => {
+                                metrics::counter!("kvx_tcp_conns_refused_total", "cause" => r.cause())
+                                    .increment(1);
+                                tracing::warn!(%addr, error = %r, "tcp transport connection refused");
                             }
                             Err(e) => {
-                                metrics::counter!("kvx_tcp_server_conn_errors_total").increment(1);
-                                tracing::warn!(%addr, error = %e, "tcp transport connection failed");
+                                metrics::counter!("kvx_tcp_handshake_errors_total", "cause" => e.cause())
+                                    .increment(1);
+                                if matches!(e, HelloRefusal::BadSecret) {
+                                    metrics::counter!("kvx_tcp_auth_failures_total").increment(1);
+                                }
+                                tracing::warn!(%addr, error = %e, "tcp transport hello refused");
                             }
                         }
-                    });
+                    }));
                 }
                 Err(e) => {
                     metrics::counter!("kvx_tcp_accept_errors_total").increment(1);
@@ -124,39 +202,64 @@ fn looks_like_mooncake_request(first: &[u8; HELLO_LEN]) -> bool {
     first[..4] != crate::tcp::wire::MAGIC && (2..=1 << 20).contains(&len) && first[8] <= 3
 }
 
-async fn handshake(stream: &TcpStream, ctx: &ServerCtx) -> io::Result<bool> {
+/// Reads the sender's hello and answers it; an accepted sender is answered only once it has a
+/// receive slot (so a flood is paced by the server). `Ok(None)`: answered with a refusal
+/// status (the connection closes).
+async fn handshake(
+    stream: &TcpStream,
+    ctx: &ServerCtx,
+) -> Result<Option<OwnedSemaphorePermit>, HelloRefusal> {
     let mut fixed = [0u8; HELLO_LEN];
     read_full(stream, &mut fixed).await?;
     if looks_like_mooncake_request(&fixed) {
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "a Mooncake TE handshake request, not a kvx hello",
-        ));
+        return Err(HelloRefusal::Foreign);
     }
-    let hello = Hello::decode(&fixed).map_err(|e| proto_err(e.to_string()))?;
+    let hello = Hello::decode(&fixed)?;
+    if hello.desc_len > MAX_SENDER_DESC_LEN {
+        return Err(HelloRefusal::DescTooLarge(hello.desc_len));
+    }
+    if hello.param > MAX_SECRET_LEN {
+        return Err(HelloRefusal::SecretTooLong(hello.param));
+    }
     let mut desc = vec![0u8; hello.desc_len as usize];
     read_full(stream, &mut desc).await?;
     if !desc.is_empty() {
-        SegmentDescriptor::decode(&desc).map_err(|e| proto_err(e.to_string()))?;
+        SegmentDescriptor::decode(&desc).map_err(|e| HelloRefusal::BadDescriptor(e.to_string()))?;
     }
-    let ok = hello.version >= VERSION;
-    let mine = if ok {
+    let mut secret = vec![0u8; hello.param as usize];
+    read_full(stream, &mut secret).await?;
+    let authorized = ctx.secret.as_ref().is_none_or(|s| s.matches(&secret));
+    let status = if !authorized {
+        HELLO_BAD_SECRET
+    } else if hello.version < VERSION {
+        HELLO_BAD_VERSION
+    } else {
+        HELLO_OK
+    };
+    let permit = if status == HELLO_OK {
+        Some(ctx.conns.admit(ctx.handshake_timeout).await?)
+    } else {
+        None
+    };
+    let mine = if status == HELLO_OK {
         ctx.table.descriptor(&ctx.endpoint).encode()
     } else {
         Vec::new()
     };
     let reply = Hello {
         version: VERSION,
-        status: if ok { HELLO_OK } else { HELLO_BAD_VERSION },
+        status,
         param: ctx.max_write_len,
         desc_len: mine.len() as u32,
     };
     let mut out = reply.encode().to_vec();
     out.extend_from_slice(&mine);
     write_all(stream, &out).await?;
-    Ok(ok)
+    if !authorized {
+        return Err(HelloRefusal::BadSecret);
+    }
+    Ok(permit)
 }
-
 /// What the receive loop is reading.
 enum State {
     /// A frame header (into `hdr`).
@@ -209,56 +312,56 @@ impl Window {
     }
 }
 
-async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> io::Result<()> {
-    match tokio::time::timeout(ctx.handshake_timeout, handshake(&stream, ctx)).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => return Ok(()),
-        Ok(Err(e)) => {
-            metrics::counter!("kvx_tcp_handshake_errors_total").increment(1);
-            return Err(e);
-        }
-        Err(_) => {
-            metrics::counter!("kvx_tcp_handshake_errors_total").increment(1);
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-    }
+async fn serve(stream: TcpStream, ctx: &Arc<ServerCtx>) -> Result<(), HelloRefusal> {
+    let permit = match tokio::time::timeout(ctx.handshake_timeout, handshake(&stream, ctx)).await {
+        Ok(Ok(Some(permit))) => permit,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return Err(HelloRefusal::Timeout),
+    };
     // The data phase runs on a blocking thread with a blocking socket: the kernel sleeps and
     // wakes the thread directly (no readiness round trips), as a plain socket loop does.
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
     // A sender that stops reading its acknowledgements cannot pin this thread forever.
     stream.set_write_timeout(Some(ACK_WRITE_TIMEOUT))?;
-    let id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
-    lock(&ctx.live).insert(id, stream.try_clone()?);
-    if ctx.closed.load(Ordering::SeqCst) {
-        lock(&ctx.live).remove(&id);
-        return Ok(());
-    }
+    let slot = ctx.conns.register(permit, stream.try_clone()?)?;
+    let rx = ctx.table.receiver(slot.conn().clone());
     // A plain thread, not the runtime's blocking pool: a runtime being dropped must not wait
     // for connections; the transport's shutdown and drop end them by closing their sockets.
     let ctx2 = ctx.clone();
     let peer = stream.peer_addr().ok();
-    std::thread::Builder::new()
+    let conn = slot.conn().clone();
+    let handle = std::thread::Builder::new()
         .name("kvx-tcp-rx".into())
+        .stack_size(RX_STACK)
         .spawn(move || {
-            match receive(&stream, &ctx2) {
+            match receive(&stream, &ctx2, &slot, &rx) {
                 Ok(()) => tracing::debug!(?peer, "tcp transport connection closed"),
+                Err(e) if slot.conn().stopped() => {
+                    tracing::debug!(?peer, error = %e, "tcp transport connection stopped")
+                }
                 Err(e) => {
                     metrics::counter!("kvx_tcp_server_conn_errors_total").increment(1);
                     tracing::warn!(?peer, error = %e, "tcp transport connection failed");
                 }
             }
-            lock(&ctx2.live).remove(&id);
-        })
-        .map(|_| ())
-        .inspect_err(|_| {
-            lock(&ctx.live).remove(&id);
-        })
+            drop(rx);
+            drop(slot);
+        })?;
+    conn.set_handle(handle);
+    Ok(())
 }
 
 /// The receive loop of one connection (blocking).
-fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
+fn receive(
+    stream: &std::net::TcpStream,
+    ctx: &ServerCtx,
+    slot: &Slot,
+    rx: &Receiver,
+) -> io::Result<()> {
     let fd = stream.as_raw_fd();
+    let conn: &Conn = slot.conn();
     let mut hdr = [0u8; HEADER_LEN];
     let mut have = 0usize;
     let mut state = State::Header;
@@ -283,6 +386,13 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                 read_blocking(|| mem::readv_targets(fd, t, o, scratch, tail))?
             }
         };
+        if conn.stopped() {
+            // Evicted, or a region it writes into is being deregistered: not one more read.
+            return Err(io::Error::new(
+                io::ErrorKind::Interrupted,
+                "connection stopped",
+            ));
+        }
         if n == 0 {
             if have == 0 && matches!(state, State::Header) {
                 return Ok(());
@@ -290,6 +400,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
             metrics::counter!("kvx_tcp_truncated_frames_total").increment(1);
             return Err(proto_err("connection closed inside a frame"));
         }
+        conn.busy();
         let mut n = n;
         match &mut state {
             State::Header => have += n,
@@ -297,7 +408,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                 *got += n;
                 if *got == buf.len() {
                     let buf = std::mem::take(buf);
-                    state = match entries_to_payload(&buf, ctx, &mut win) {
+                    state = match entries_to_payload(&buf, ctx, rx, &mut win) {
                         Ok(s) => s,
                         Err(e) => {
                             let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
@@ -307,6 +418,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                     if let State::Payload { targets, idx, .. } = &state
                         && *idx >= targets.len()
                     {
+                        rx.release();
                         state = State::Header;
                     }
                 }
@@ -333,10 +445,15 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                 if *idx < targets.len() {
                     continue;
                 }
+                // Every payload of the frame is in: the regions are free to go.
+                rx.release();
                 state = State::Header;
             }
         }
         if have < HEADER_LEN {
+            if have == 0 {
+                conn.idle(slot.limit().tick());
+            }
             continue;
         }
         have = 0;
@@ -350,7 +467,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
         };
         match frame {
             ClientFrame::Write { key, addr, len, .. } => {
-                let t = check_write(ctx, &mut win, Entry { key, addr, len });
+                let t = check_write(ctx, rx, &mut win, Entry { key, addr, len });
                 match t {
                     Some(t) if !t.is_empty() => {
                         state = State::Payload {
@@ -359,7 +476,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                             off: 0,
                         }
                     }
-                    Some(_) => {}
+                    Some(_) => conn.idle(slot.limit().tick()),
                     None => {
                         let _ = (&*stream).write_all(&win.ack(u64::MAX).encode());
                         return Err(proto_err(format!("write of {len} bytes exceeds the limit")));
@@ -376,6 +493,7 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
                 let ack = win.ack(tag);
                 metrics::counter!("kvx_tcp_bytes_received_total").increment(ack.bytes);
                 (&*stream).write_all(&ack.encode())?;
+                conn.idle(slot.limit().tick());
             }
         }
     }
@@ -383,12 +501,18 @@ fn receive(stream: &std::net::TcpStream, ctx: &ServerCtx) -> io::Result<()> {
 
 /// Checks one write: `Some(Mem)` to receive it, `Some(Discard)` when rejected (its payload is
 /// drained), `None` when its length is above the limit (the connection must close).
-fn check_write(ctx: &ServerCtx, win: &mut Window, e: Entry) -> Option<RecvTarget> {
+fn check_write(ctx: &ServerCtx, rx: &Receiver, win: &mut Window, e: Entry) -> Option<RecvTarget> {
     if e.len > u64::from(ctx.max_write_len) {
         win.reject_fatal(RejectReason::TooLong, e.addr);
         return None;
     }
-    match ctx.table.check_keyed(e.key, e.addr, e.len) {
+    // An empty write touches no memory: checked, but not leased.
+    let checked = if e.len == 0 {
+        ctx.table.check_keyed(e.key, e.addr, 0)
+    } else {
+        ctx.table.lease_keyed(rx, e.key, e.addr, e.len)
+    };
+    match checked {
         Ok(span) => Some(RecvTarget::Mem(span)),
         Err(reason) => {
             // One warning per window (the rest are counted and logged at debug level).
@@ -405,7 +529,12 @@ fn check_write(ctx: &ServerCtx, win: &mut Window, e: Entry) -> Option<RecvTarget
 
 /// Turns the entries of a vectored write into receive targets (checked before any payload
 /// byte is read).
-fn entries_to_payload(buf: &[u8], ctx: &ServerCtx, win: &mut Window) -> io::Result<State> {
+fn entries_to_payload(
+    buf: &[u8],
+    ctx: &ServerCtx,
+    rx: &Receiver,
+    win: &mut Window,
+) -> io::Result<State> {
     let mut targets = Vec::with_capacity(buf.len() / ENTRY_LEN);
     for raw in buf.chunks_exact(ENTRY_LEN) {
         let e = match Entry::decode(raw) {
@@ -415,7 +544,7 @@ fn entries_to_payload(buf: &[u8], ctx: &ServerCtx, win: &mut Window) -> io::Resu
                 return Err(proto_err("malformed vectored-write entry"));
             }
         };
-        match check_write(ctx, win, e) {
+        match check_write(ctx, rx, win, e) {
             Some(t) => targets.push(t),
             None => {
                 return Err(proto_err(format!(

@@ -14,8 +14,14 @@ pub const VERSION: u16 = 1;
 pub const HELLO_LEN: usize = 16;
 /// Size of every frame header (client and server).
 pub const HEADER_LEN: usize = 32;
-/// Largest descriptor accepted in a hello.
+/// Largest descriptor accepted in a hello (the receiver's reply lists all its regions).
 pub const MAX_DESC_LEN: u32 = 32 << 20;
+/// Largest descriptor a receiver accepts in a *sender's* hello. A sender's descriptor is its
+/// endpoint (at most 1024 bytes) and, from older senders, its regions; the receiver does not
+/// use them, and kvx senders send none. 64 KiB still admits an older sender with ~2 700 regions.
+pub const MAX_SENDER_DESC_LEN: u32 = 64 << 10;
+/// Longest shared secret a sender's hello may carry.
+pub const MAX_SECRET_LEN: u32 = 256;
 
 /// Frame kind: a write (header followed by `len` payload bytes).
 pub const KIND_WRITE: u8 = 1;
@@ -35,6 +41,9 @@ pub const MAX_ENTRIES: u32 = 1024;
 pub const HELLO_OK: u16 = 0;
 /// Hello status: version not supported (the server closes after sending its hello).
 pub const HELLO_BAD_VERSION: u16 = 1;
+/// Hello status: the receiver requires a shared secret and the sender's is missing or wrong
+/// (the server closes after sending its hello, with no descriptor).
+pub const HELLO_BAD_SECRET: u16 = 2;
 
 /// The fixed part of a hello (either direction).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +52,8 @@ pub struct Hello {
     pub version: u16,
     /// Client: flags (0). Server: status ([`HELLO_OK`] or [`HELLO_BAD_VERSION`]).
     pub status: u16,
-    /// Client: 0. Server: the largest write payload it accepts in one frame.
+    /// Client: length of the shared secret that follows the descriptor (0: none). Server: the
+    /// largest write payload it accepts in one frame.
     pub param: u32,
     /// Length of the encoded segment descriptor that follows.
     pub desc_len: u32,
