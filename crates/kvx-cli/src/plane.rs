@@ -81,12 +81,34 @@ pub fn mooncake_config(connections: usize) -> MooncakeConfig {
     }
 }
 
-/// The tcp backend's settings for `connections` connections per peer.
-pub fn tcp_config(connections: usize) -> TcpConfig {
-    TcpConfig {
+/// The environment variable holding the kvx tcp shared secret (off when unset): a receiver with
+/// one answers a hello without it with no descriptor; a sender sends it in its hello. Set it on
+/// both sides. It keeps stray peers out; it travels in clear, so it is no defence against an
+/// eavesdropper.
+pub const TCP_SECRET_ENV: &str = "KVX_TCP_SECRET";
+
+/// The tcp backend's settings for `connections` connections per peer, with the shared secret of
+/// [`TCP_SECRET_ENV`] when set (an empty or over-long one, more than 256 bytes, is refused).
+pub fn tcp_config(connections: usize) -> Result<TcpConfig, TransportError> {
+    let secret = match std::env::var_os(TCP_SECRET_ENV) {
+        None => None,
+        Some(v) => {
+            let bytes = v.into_encoded_bytes();
+            let secret = kvx_rdma::SharedSecret::new(&bytes).ok_or_else(|| TransportError::Io {
+                kind: std::io::ErrorKind::InvalidInput,
+                detail: format!(
+                    "{TCP_SECRET_ENV} must hold 1 to 256 bytes (it holds {})",
+                    bytes.len()
+                ),
+            })?;
+            Some(secret)
+        }
+    };
+    Ok(TcpConfig {
         connections: connections.max(1),
+        secret,
         ..TcpConfig::default()
-    }
+    })
 }
 
 impl DataPlane {
@@ -116,7 +138,7 @@ impl DataPlane {
         connections: usize,
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
-        let t = TcpTransport::client(tcp_config(connections));
+        let t = TcpTransport::client(tcp_config(connections)?);
         let mut plane = DataPlane::new(t.clone(), regions)?;
         plane.sessions = SessionSource::Tcp(t);
         Ok(plane)
@@ -128,7 +150,7 @@ impl DataPlane {
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
         let t = AutoTransport::client(
-            tcp_config(connections),
+            tcp_config(connections)?,
             mooncake_config(connections),
             AUTO_PROBE_TIMEOUT,
         );
@@ -167,7 +189,7 @@ impl DataPlane {
         connections: usize,
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
-        let t = TcpTransport::bind(addr, tcp_config(connections)).await?;
+        let t = TcpTransport::bind(addr, tcp_config(connections)?).await?;
         let mut plane = DataPlane::new(t.clone(), regions)?;
         plane.sessions = SessionSource::Tcp(t);
         Ok(plane)

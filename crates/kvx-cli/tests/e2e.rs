@@ -270,3 +270,39 @@ fn demo_runs_heterogeneous_tp_through_staging() {
     // 256 tokens on a 64-token grid: 4 chunks per room, all through the ring.
     assert_eq!(summary(&s)["staged_chunks"], 16, "{stdout}");
 }
+
+/// A decode started with `KVX_TCP_SECRET` accepts kvx tcp writes only from a prefill with the
+/// same secret: a prefill without it fails its rooms (the hello is refused); one with it is
+/// served, bytes verified.
+#[test]
+fn tcp_shared_secret_keeps_out_a_prefill_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (prefill_secret, want_ok) in [(None, false), (Some("s3cret"), true)] {
+        let port = free_port();
+        let env: Vec<(&str, &str)> = prefill_secret
+            .map(|s| vec![(kvx_cli::plane::TCP_SECRET_ENV, s)])
+            .unwrap_or_default();
+        let _prefill = start_prefill(port, &["--backend", "tcp"], &env);
+        let s = dir.path().join(format!("secret-{want_ok}.json"));
+        let out = Proc::spawn(
+            std::process::Command::new(KVX)
+                .args(["decode", "--no-progress", "--bootstrap-addr"])
+                .arg(format!("127.0.0.1:{port}"))
+                .args(MODEL)
+                .arg("--summary-json")
+                .arg(&s)
+                .args(["--requests", "3", "--prompt-tokens", "200"])
+                .env(kvx_cli::plane::TCP_SECRET_ENV, "s3cret")
+                .env("RUST_LOG", "warn"),
+        )
+        .wait_output(GUARD);
+        assert_eq!(
+            out.status.success(),
+            want_ok,
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let verified = summary(&s)["verified"].as_u64().unwrap();
+        assert_eq!(verified, if want_ok { 3 } else { 0 });
+    }
+}
