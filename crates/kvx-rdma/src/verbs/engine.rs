@@ -56,6 +56,11 @@ pub struct VerbsConfig {
     pub handshake_timeout: Duration,
     /// Most work requests queued or in flight per session before `write_batch` waits.
     pub max_queued_wrs: u32,
+    /// Most queue pairs the receiver creates for one peer (a handshake asking more is refused).
+    pub max_inbound_qps: usize,
+    /// Most peers the receiver serves at once (handshaking or holding queue pairs); a peer
+    /// beyond it is refused and counted (`kvx_verbs_peers_refused_total`).
+    pub max_peers: usize,
 }
 
 impl Default for VerbsConfig {
@@ -70,6 +75,8 @@ impl Default for VerbsConfig {
             max_wr_bytes: 2 << 20,
             handshake_timeout: Duration::from_secs(5),
             max_queued_wrs: 1 << 16,
+            max_inbound_qps: 16,
+            max_peers: 1024,
         }
     }
 }
@@ -265,6 +272,11 @@ impl Transport for VerbsTransport {
             if let Some(s) = cached {
                 return Ok(s as Arc<dyn Session>);
             }
+            // Sessions of departed peers are not kept (the cache is bounded by live peers).
+            self.sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|_, s| s.is_alive());
             let s = self.open_session(peer).await.map_err(|e| {
                 metrics::counter!("kvx_verbs_connect_errors_total", "kind" => e.label())
                     .increment(1);

@@ -1,7 +1,9 @@
 //! The receiving side of the verbs backend: the handshake listener and its peers' queue pairs.
 //!
-//! For every connecting sender, the accept loop spawns a task that reads its handshake, creates
-//! and connects as many RC queue pairs as it announced (at most [`MAX_INBOUND_QPS`]), answers
+//! For every connecting sender (at most [`VerbsConfig::max_peers`] at once; more are refused and
+//! counted), the accept loop spawns a task that reads its handshake, creates and connects as
+//! many RC queue pairs as it announced (at most [`VerbsConfig::max_inbound_qps`], never more than
+//! [`MAX_INBOUND_QPS`]), answers
 //! with this side's handshake (its regions and rkeys), and then holds the queue pairs until the
 //! connection closes or the transport shuts down. Incoming RDMA WRITEs need no software on this
 //! side: the NIC checks each rkey and range against the registrations.
@@ -20,7 +22,7 @@ use super::handshake::VerbsHandshake;
 use super::hello::{recv_handshake, send_handshake};
 use super::qp::{RcQueuePair, RemotePort};
 
-/// Most queue pairs a receiver creates for one peer.
+/// Hard ceiling on the queue pairs a receiver creates for one peer, whatever the configuration.
 pub const MAX_INBOUND_QPS: usize = 64;
 
 /// This side's handshake: port address, `qps`, and the regions peers may write.
@@ -42,12 +44,23 @@ pub(crate) async fn accept_loop(
     cfg: VerbsConfig,
     mut stop: watch::Receiver<bool>,
 ) {
+    let peers = Arc::new(tokio::sync::Semaphore::new(cfg.max_peers.max(1)));
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             r = listener.accept() => match r {
                 Ok((stream, from)) => {
-                    tokio::spawn(serve_peer(stream, from.to_string(), dev.clone(), cfg.clone(), stop.clone()));
+                    let Ok(permit) = peers.clone().try_acquire_owned() else {
+                        metrics::counter!("kvx_verbs_peers_refused_total").increment(1);
+                        tracing::warn!(peer = %from, max = cfg.max_peers, "verbs peer refused: too many peers");
+                        drop(stream);
+                        continue;
+                    };
+                    let (dev, cfg, stop) = (dev.clone(), cfg.clone(), stop.clone());
+                    tokio::spawn(async move {
+                        serve_peer(stream, from.to_string(), dev, cfg, stop).await;
+                        drop(permit);
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "verbs handshake accept failed");
@@ -85,9 +98,10 @@ async fn serve_peer(
             gid: theirs.gid,
             mtu: theirs.mtu,
         };
-        if theirs.qps.len() > MAX_INBOUND_QPS {
+        let max_qps = cfg.max_inbound_qps.clamp(1, MAX_INBOUND_QPS);
+        if theirs.qps.len() > max_qps {
             return Err(VerbsError::Handshake(format!(
-                "{} queue pairs asked, at most {MAX_INBOUND_QPS} served",
+                "{} queue pairs asked, at most {max_qps} served",
                 theirs.qps.len()
             )));
         }
