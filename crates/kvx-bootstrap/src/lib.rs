@@ -52,6 +52,8 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod codec;
 #[cfg(feature = "net")]
 pub mod http;

@@ -46,6 +46,8 @@
 //! The room managers ([`PrefillManager`], [`DecodeManager`]) are driven with
 //! `handle(now, event, &mut actions)`; see their module docs.
 
+#![forbid(unsafe_code)]
+
 pub mod chunk;
 pub mod decode;
 pub mod layout;

@@ -59,6 +59,8 @@
 //! assert!(prefill.is_idle() && decode.live_allocations() == 0);
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod copy;
 pub mod decode;
 pub mod grid;
