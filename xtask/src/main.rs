@@ -172,6 +172,19 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
     run(cargo()
         .env("PATH", &path)
         .args(["test", "--workspace", "--all-features", "--doc"]))?;
+    // Every crate's example runs as its README says; each checks its own result and exits
+    // non-zero on a mismatch.
+    for (package, example) in EXAMPLES {
+        run(cargo().env("PATH", &path).args([
+            "run",
+            "-q",
+            "--all-features",
+            "-p",
+            package,
+            "--example",
+            example,
+        ]))?;
+    }
     // The short profile of the multi-process fault scenarios (a few minutes on 2 cores).
     integration::run(
         root,
@@ -190,6 +203,15 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
     eprintln!("xtask: all tests passed");
     Ok(())
 }
+
+/// The examples `cargo xtask test` runs: (package, example).
+const EXAMPLES: [(&str, &str); 5] = [
+    ("kvx-core", "managers"),
+    ("kvx-bootstrap", "registration"),
+    ("kvx-staging", "ring"),
+    ("kvx-rdma", "tcp_batch"),
+    ("kvx-cli", "embed"),
+];
 
 fn fuzz(root: &Path, seconds: u64) -> Result<()> {
     let fuzz_dir = root.join("fuzz");

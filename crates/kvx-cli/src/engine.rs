@@ -272,7 +272,13 @@ pub struct PrefillEngine {
     stop: Arc<AtomicBool>,
     events: Mutex<Option<Receiver<EngineEvent>>>,
     fatal_rx: Mutex<Receiver<Arc<TransferThreadFailed>>>,
+    /// Alive while the loop or a worker holds the registered memory (and the data plane).
+    threads: std::sync::Weak<WorkerCtx>,
 }
+
+/// How long [`PrefillEngine::shutdown`] waits for its threads beyond the data-plane timeout (a
+/// worker finishes the batch it is writing first).
+const SHUTDOWN_SLACK: Duration = Duration::from_secs(2);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -407,6 +413,7 @@ impl PrefillEngine {
             .spawn(move || inbox_loop(&s, &tx, inbox, &clock))?;
         tracing::info!(%endpoint, "prefill rank inbox bound");
         Ok(PrefillEngine {
+            threads: Arc::downgrade(&workers),
             inputs: inputs_tx,
             view,
             endpoint,
@@ -508,16 +515,29 @@ impl PrefillEngine {
         lock(&self.fatal_rx).recv_timeout(timeout).ok()
     }
 
-    /// Stops the threads (best effort; they notice within ~100 ms).
-    pub fn shutdown(&self) {
+    /// Stops the rank and returns once its loop and workers have let go of the registered memory
+    /// and the data plane deregistered it (a worker first finishes the batch it is writing), so
+    /// memory given with [`Region::from_raw`] may be freed afterwards. Waits at most the
+    /// data-plane timeout plus a little; returns `false` if threads were still running then.
+    /// Dropping the engine calls it.
+    pub fn shutdown(&self) -> bool {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.inputs.try_send(Input::Stop);
+        let deadline = std::time::Instant::now() + self.cfg.connect_timeout + SHUTDOWN_SLACK;
+        while self.threads.strong_count() > 0 {
+            if std::time::Instant::now() >= deadline {
+                tracing::error!("prefill engine threads still running after shutdown");
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
     }
 }
 
 impl Drop for PrefillEngine {
     fn drop(&mut self) {
-        self.shutdown();
+        let _ = self.shutdown();
     }
 }
 

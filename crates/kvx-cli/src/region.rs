@@ -1,4 +1,6 @@
-//! Registered host memory: one owned, zero-initialised byte region addressed by virtual address.
+//! Registered host memory: a byte region addressed by virtual address, either allocated and
+//! zeroed here or the embedder's own memory (`Region::from_raw`: a serving stack's KV pool,
+//! never copied, never freed here).
 //!
 //! A region is what a rank registers with the data plane: the KV pool, the aux rows. Remote peers
 //! name bytes by virtual address (as sglang publishes pointers on the wire); every access here is
@@ -26,16 +28,22 @@ pub struct OutOfBounds {
     pub size: u64,
 }
 
-/// A fixed-size byte region in host memory, shared between threads.
+/// A fixed-size byte region in host memory, shared between threads: allocated and owned by the
+/// region ([`Region::new`]), or the caller's memory ([`Region::from_raw`], never freed here).
 pub struct Region {
-    bytes: Box<[UnsafeCell<u8>]>,
+    /// First byte (the owned box's, or the caller's).
+    ptr: *mut u8,
+    len: usize,
+    /// The allocation when the region owns it (freed on drop); `None` for caller memory.
+    owned: Option<Box<[UnsafeCell<u8>]>>,
 }
 
 // SAFETY: every access is bounds-checked and goes through raw pointers to `UnsafeCell` bytes; the
 // safe methods form no references to the region's bytes, and the views that do are `unsafe` with
 // the page-ownership contract (documented on the module) as their precondition.
 unsafe impl Sync for Region {}
-// SAFETY: the region owns its allocation; moving it between threads moves only the box.
+// SAFETY: the region owns its allocation (moving it moves only the box; the heap bytes stay), or
+// refers to caller memory that `from_raw`'s contract keeps valid wherever the region is used.
 unsafe impl Send for Region {}
 
 impl std::fmt::Debug for Region {
@@ -51,23 +59,55 @@ impl Region {
         let raw = Box::into_raw(zeroed) as *mut [UnsafeCell<u8>];
         // SAFETY: `UnsafeCell<u8>` is `repr(transparent)` over `u8`, so the slice layout and the
         // allocation are identical; ownership moves from the first box to the second.
-        let bytes = unsafe { Box::from_raw(raw) };
-        Region { bytes }
+        let bytes: Box<[UnsafeCell<u8>]> = unsafe { Box::from_raw(raw) };
+        Region {
+            ptr: UnsafeCell::raw_get(bytes.as_ptr()),
+            len,
+            owned: Some(bytes),
+        }
+    }
+
+    /// Wraps `len` bytes of the caller's memory at `addr` — a serving stack's own KV pool, aux
+    /// rows, state or staging buffers — without copying them; the region never frees them.
+    /// `None` for a null address or a range that wraps the address space.
+    ///
+    /// # Safety
+    ///
+    /// `[addr, addr + len)` must be host memory valid for reads and writes for as long as the
+    /// region lives: an engine holds its regions (through `Arc`s) until it has shut down and its
+    /// data plane deregistered them, so keep the memory until the engine is dropped. Peers write
+    /// it concurrently; code outside kvx must not hold references into pages of a room in flight
+    /// (the page-ownership contract of this module). Device memory is not host memory: the
+    /// region's methods read and write through the CPU, so only host addresses may be given.
+    pub unsafe fn from_raw(addr: u64, len: usize) -> Option<Region> {
+        if addr == 0 || addr.checked_add(len as u64).is_none() {
+            return None;
+        }
+        Some(Region {
+            ptr: addr as *mut u8,
+            len,
+            owned: None,
+        })
+    }
+
+    /// True when the region wraps caller memory ([`Region::from_raw`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.owned.is_none()
     }
 
     /// The virtual address of the first byte.
     pub fn base(&self) -> u64 {
-        self.bytes.as_ptr() as u64
+        self.ptr as u64
     }
 
     /// Size in bytes.
     pub fn len(&self) -> u64 {
-        self.bytes.len() as u64
+        self.len as u64
     }
 
     /// True for an empty region.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len == 0
     }
 
     /// True when `[addr, addr+len)` lies inside the region.
@@ -178,13 +218,34 @@ impl Region {
     fn ptr_of(&self, addr: u64, len: u64) -> Result<*mut u8, OutOfBounds> {
         let off = self.offset_of(addr, len)?;
         usize::try_from(len).map_err(|_| self.oob(addr, len))?;
-        Ok(UnsafeCell::raw_get(self.bytes[off..].as_ptr()))
+        // SAFETY: `off + len <= self.len` (checked by `offset_of`), so the pointer stays inside
+        // (or one past the end of) the region's memory, owned or the caller's.
+        Ok(unsafe { self.ptr.add(off) })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn caller_memory_is_used_in_place_and_not_freed() {
+        let mut pool = vec![0u8; 4096];
+        let addr = pool.as_mut_ptr() as u64;
+        // SAFETY: `pool` outlives the region and is not touched while the region is used.
+        let r = unsafe { Region::from_raw(addr, pool.len()) }.unwrap();
+        assert!(r.is_borrowed() && r.base() == addr && r.len() == 4096);
+        r.copy_in(addr + 100, b"kvx").unwrap();
+        assert!(r.copy_in(addr + 4095, b"kvx").is_err());
+        drop(r);
+        // The bytes landed in the caller's memory, which is still the caller's to use.
+        assert_eq!(&pool[100..103], b"kvx");
+        pool[0] = 1;
+        // SAFETY: a null address is refused before any use.
+        assert!(unsafe { Region::from_raw(0, 16) }.is_none());
+        // SAFETY: a wrapping range is refused before any use.
+        assert!(unsafe { Region::from_raw(u64::MAX - 4, 16) }.is_none());
+    }
 
     #[test]
     fn bounds_are_checked() {
