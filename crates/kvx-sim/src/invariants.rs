@@ -102,7 +102,13 @@ pub struct Checker {
 
 impl Checker {
     /// Records one check of `inv`; `ok == false` records a violation built by `detail`.
-    pub fn check(&mut self, inv: Inv, ok: bool, room: Option<Room>, detail: impl FnOnce() -> String) {
+    pub fn check(
+        &mut self,
+        inv: Inv,
+        ok: bool,
+        room: Option<Room>,
+        detail: impl FnOnce() -> String,
+    ) {
         self.checks[inv as usize] += 1;
         if !ok {
             self.violations.push(Violation {

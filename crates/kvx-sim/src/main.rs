@@ -13,10 +13,7 @@ use kvx_sim::{replay, run_seed};
 
 fn usage() -> ExitCode {
     eprintln!("usage: kvx-sim [--seed S] [--steps N] [--mutant NAME] [--first-seed S]");
-    eprintln!(
-        "mutants: {}",
-        Mutant::ALL.map(Mutant::name).join(", ")
-    );
+    eprintln!("mutants: {}", Mutant::ALL.map(Mutant::name).join(", "));
     ExitCode::from(2)
 }
 
@@ -93,9 +90,14 @@ fn main() -> ExitCode {
     eprintln!(
         "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s){}",
         total as f64 / secs.max(1e-9),
-        mutant.map(|m| format!(", mutant {}", m.name())).unwrap_or_default()
+        mutant
+            .map(|m| format!(", mutant {}", m.name()))
+            .unwrap_or_default()
     );
-    println!("{total} steps, {seeds} seeds, {} violations", violations.len());
+    println!(
+        "{total} steps, {seeds} seeds, {} violations",
+        violations.len()
+    );
     if violations.is_empty() {
         ExitCode::SUCCESS
     } else {

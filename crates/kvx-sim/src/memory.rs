@@ -101,7 +101,10 @@ impl RankMemory {
 
     /// Zeroes everything (a restarted process).
     pub fn wipe(&mut self) {
-        self.kv.iter_mut().chain(self.aux.iter_mut()).for_each(|b| b.fill(0));
+        self.kv
+            .iter_mut()
+            .chain(self.aux.iter_mut())
+            .for_each(|b| b.fill(0));
     }
 
     /// Bytes per page.
@@ -220,7 +223,11 @@ impl RankMemory {
                     if !check {
                         continue;
                     }
-                    room.get().to_le_bytes().get(b as usize).copied().unwrap_or(0)
+                    room.get()
+                        .to_le_bytes()
+                        .get(b as usize)
+                        .copied()
+                        .unwrap_or(0)
                 } else {
                     aux_byte(room, buf, b)
                 };

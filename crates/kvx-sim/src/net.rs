@@ -118,7 +118,14 @@ impl Net {
 
     /// Sends `msg` from `from` to `to` at `now`: the delivery times (empty when the send
     /// failed, two for a duplicate), in order and never before an earlier message of the link.
-    pub fn send(&mut self, rng: &mut Rng, now: Nanos, from: Node, to: Node, msg: &Msg) -> Vec<Nanos> {
+    pub fn send(
+        &mut self,
+        rng: &mut Rng,
+        now: Nanos,
+        from: Node,
+        to: Node,
+        msg: &Msg,
+    ) -> Vec<Nanos> {
         let c = self.cfg;
         if msg.lossy() && rng.chance(c.drop_ppm) {
             return Vec::new();

@@ -64,7 +64,13 @@ impl Scenario {
         // A third of the seeds are fault-free on the wire, so every room there must end by its
         // statuses alone.
         let faulty = rng.below(3) != 0;
-        let f = |rng: &mut Rng, ppm: u32| if faulty { rng.range(0, u64::from(ppm)) as u32 } else { 0 };
+        let f = |rng: &mut Rng, ppm: u32| {
+            if faulty {
+                rng.range(0, u64::from(ppm)) as u32
+            } else {
+                0
+            }
+        };
         let max_ops = rng.range(2, 24) as usize;
         let max_bytes = rng.range(16, 2048);
         let net = NetConfig {

@@ -36,7 +36,10 @@ impl World {
             dcp_size: 1,
             dcp_rank: 0,
             staging_slot_layer_ids: self.sc.v0523.then(Vec::new),
-            kv_item_lens: self.sc.v0523.then(|| vec![n.mem.item_len(); n.mem.kv_ptrs().len()]),
+            kv_item_lens: self
+                .sc
+                .v0523
+                .then(|| vec![n.mem.item_len(); n.mem.kv_ptrs().len()]),
         }
     }
 
@@ -72,7 +75,11 @@ impl World {
             None => n.last_poll.remove(&room),
         };
         if let (Some(prev), Some(now)) = (prev, now) {
-            let ok = if prev == KVPoll::Failed { now == KVPoll::Failed } else { now == KVPoll::Failed || now >= prev };
+            let ok = if prev == KVPoll::Failed {
+                now == KVPoll::Failed
+            } else {
+                now == KVPoll::Failed || now >= prev
+            };
             self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
                 format!("decode rank {d}: {prev} then {now}")
             });
@@ -82,7 +89,9 @@ impl World {
     fn decode_action(&mut self, d: u32, a: DecodeAction) {
         if let Some(t) = &self.trace {
             let room = match &a {
-                DecodeAction::SendAbort { room, .. } | DecodeAction::Concluded { room, .. } => *room,
+                DecodeAction::SendAbort { room, .. } | DecodeAction::Concluded { room, .. } => {
+                    *room
+                }
             };
             if t.room == Some(room) {
                 let line = format!("  decode {d} -> {a:?}");
@@ -121,9 +130,12 @@ impl World {
                     let prev = rec.d_done.insert(d, (status, now));
                     excused = rec.excused;
                     let fatal: Vec<u32> = rec.fatal.iter().copied().collect();
-                    self.check.check(Inv::StatusMonotonic, prev.is_none(), Some(room), || {
-                        format!("decode rank {d} concluded the room twice ({prev:?}, then {status})")
-                    });
+                    self.check
+                        .check(Inv::StatusMonotonic, prev.is_none(), Some(room), || {
+                            format!(
+                                "decode rank {d} concluded the room twice ({prev:?}, then {status})"
+                            )
+                        });
                     let node = &self.decodes[d as usize];
                     let hit = fatal.iter().any(|&p| node.real_target(p));
                     self.check.check(Inv::FatalFailsOpenRooms, !hit || status == KVPoll::Failed, Some(room), || {
@@ -137,7 +149,8 @@ impl World {
                 if status == KVPoll::Success {
                     let (pages, row) = (dr.pages.clone(), dr.row);
                     let mem = &mut self.decodes[d as usize].mem;
-                    let bad_page = (0..pages.len()).find(|&k| !mem.kv_page(room, k as u64, pages[k], true));
+                    let bad_page =
+                        (0..pages.len()).find(|&k| !mem.kv_page(room, k as u64, pages[k], true));
                     let aux_ok = mem.aux_row(room, row, true);
                     self.check.check(Inv::SuccessBytes, bad_page.is_none() && aux_ok, Some(room), || {
                         format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row ok {aux_ok} differ from the prefill's")
@@ -231,7 +244,10 @@ impl World {
             DecodeEvent::Init {
                 room,
                 required_prefill_response_num: required_resp,
-                prefill_endpoints: targets.iter().map(|t| prefill_endpoint(t.tp_rank)).collect(),
+                prefill_endpoints: targets
+                    .iter()
+                    .map(|t| prefill_endpoint(t.tp_rank))
+                    .collect(),
                 generational_aborts: self.sc.v0523,
             },
         );
@@ -249,7 +265,11 @@ impl World {
                 decode_prefix_len: Some(0),
                 device_kv_pages: Vec::new(),
             };
-            self.send(Node::Decode(d), Node::Prefill(t.tp_rank), Msg::Metadata(Box::new(req)));
+            self.send(
+                Node::Decode(d),
+                Node::Prefill(t.tp_rank),
+                Msg::Metadata(Box::new(req)),
+            );
         }
         self.decode_event(d, DecodeEvent::MetadataSent { room });
         self.ensure_decode_tick(d);

@@ -249,6 +249,7 @@ pub struct World {
     pub check: Checker,
     /// Steps taken.
     pub steps: u64,
+    #[cfg_attr(not(feature = "mutants"), allow(dead_code))]
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
     pub(crate) pacts: Vec<PrefillAction>,
@@ -297,7 +298,13 @@ impl World {
             sc,
         };
         for p in 0..w.sc.prefill_tp {
-            let mem = RankMemory::new(0x1000_0000_0000 + (u64::from(p) << 34), w.sc.prefill_tp, p, 96, 48);
+            let mem = RankMemory::new(
+                0x1000_0000_0000 + (u64::from(p) << 34),
+                w.sc.prefill_tp,
+                p,
+                96,
+                48,
+            );
             let mut node = PrefillNode {
                 mgr: w.new_prefill_manager(p, &mem),
                 mem,
@@ -386,7 +393,9 @@ impl World {
         let times = self.net.send(&mut self.rng, now, from, to, &msg);
         if times.is_empty() {
             self.excuse(msg.room());
-            self.trace_line(msg.room(), || format!("  net drops {msg:?} {from:?}->{to:?}"));
+            self.trace_line(msg.room(), || {
+                format!("  net drops {msg:?} {from:?}->{to:?}")
+            });
             return;
         }
         let (inc, from_inc) = (self.inc_of(to), self.inc_of(from));
@@ -443,11 +452,19 @@ impl World {
 
     /// Every decode rank registers with each prefill rank it targets.
     fn register_everywhere(&mut self, d: u32) {
-        let targets: Vec<u32> = self.decodes[d as usize].targets.iter().map(|t| t.tp_rank).collect();
+        let targets: Vec<u32> = self.decodes[d as usize]
+            .targets
+            .iter()
+            .map(|t| t.tp_rank)
+            .collect();
         for p in targets {
             if !self.prefills[p as usize].down {
                 let reg = self.registration(d);
-                self.send(Node::Decode(d), Node::Prefill(p), Msg::Register(Box::new(reg)));
+                self.send(
+                    Node::Decode(d),
+                    Node::Prefill(p),
+                    Msg::Register(Box::new(reg)),
+                );
             }
         }
     }
@@ -566,8 +583,8 @@ impl World {
         }
         let now = self.clock.now();
         let n = self.rng.range(0, self.sc.max_pages) as usize;
-        let busy = self.prefills.iter().any(|x| x.down || x.fatal)
-            || self.decodes.iter().any(|x| x.down);
+        let busy =
+            self.prefills.iter().any(|x| x.down || x.fatal) || self.decodes.iter().any(|x| x.down);
         let fits = self
             .decodes
             .iter()
@@ -583,9 +600,12 @@ impl World {
         self.spawned += 1;
         let room = Room::new(self.room_base | u64::from(self.spawned)).expect("non-zero room");
         // Chunks: up to three, cut at random pages; sometimes an extra empty last chunk.
-        let mut cuts: Vec<usize> = (0..self.rng.below(3))
-            .filter_map(|_| (n > 1).then(|| self.rng.range(1, n as u64 - 1) as usize))
-            .collect();
+        let mut cuts: Vec<usize> = Vec::new();
+        if n > 1 {
+            for _ in 0..self.rng.below(3) {
+                cuts.push(self.rng.range(1, n as u64 - 1) as usize);
+            }
+        }
         cuts.sort_unstable();
         cuts.dedup();
         let mut chunks = Vec::new();
@@ -645,13 +665,24 @@ impl World {
             for (&p, &inc) in &rec.p_open {
                 let done = rec.p_done.get(&p);
                 let gone = self.prefills[p as usize].inc != inc;
-                self.check.check(Inv::TerminalInTime, done.is_some() || gone, Some(*room), || {
-                    format!("prefill rank {p} never concluded the room")
-                });
+                self.check.check(
+                    Inv::TerminalInTime,
+                    done.is_some() || gone,
+                    Some(*room),
+                    || format!("prefill rank {p} never concluded the room"),
+                );
                 if let Some(&(_, at)) = done {
-                    self.check.check(Inv::TerminalInTime, at - rec.spawned <= deadline, Some(*room), || {
-                        format!("prefill rank {p} concluded {} ms after the spawn", (at - rec.spawned) / MS)
-                    });
+                    self.check.check(
+                        Inv::TerminalInTime,
+                        at - rec.spawned <= deadline,
+                        Some(*room),
+                        || {
+                            format!(
+                                "prefill rank {p} concluded {} ms after the spawn",
+                                (at - rec.spawned) / MS
+                            )
+                        },
+                    );
                 }
             }
             for &d in &rec.d_open {
@@ -661,9 +692,17 @@ impl World {
                     format!("decode rank {d} never concluded the room")
                 });
                 if let Some(&(_, at)) = done {
-                    self.check.check(Inv::TerminalInTime, at - rec.spawned <= deadline, Some(*room), || {
-                        format!("decode rank {d} concluded {} ms after the spawn", (at - rec.spawned) / MS)
-                    });
+                    self.check.check(
+                        Inv::TerminalInTime,
+                        at - rec.spawned <= deadline,
+                        Some(*room),
+                        || {
+                            format!(
+                                "decode rank {d} concluded {} ms after the spawn",
+                                (at - rec.spawned) / MS
+                            )
+                        },
+                    );
                 }
             }
         }
@@ -675,7 +714,8 @@ impl World {
             }
             let live = n.mgr.live_entries();
             let held = n.rooms.len() + n.awaiting.len() + n.concluded.len();
-            let free = n.free_pages.len() as u64 == n.mem.pages && n.free_rows.len() as u64 == n.mem.rows;
+            let free =
+                n.free_pages.len() as u64 == n.mem.pages && n.free_rows.len() as u64 == n.mem.rows;
             self.check.check(Inv::NoLeak, live.is_empty(), None, || {
                 format!("prefill rank {p}: manager holds {live:?}")
             });
@@ -695,6 +735,8 @@ impl World {
             });
         }
         let out = self.data.outstanding();
-        self.check.check(Inv::NoLeak, out == 0, None, || format!("{out} batches outstanding in the data plane"));
+        self.check.check(Inv::NoLeak, out == 0, None, || {
+            format!("{out} batches outstanding in the data plane")
+        });
     }
 }

@@ -77,7 +77,11 @@ impl World {
             None => n.last_poll.remove(&room),
         };
         if let (Some(prev), Some(now)) = (prev, now) {
-            let ok = if prev == KVPoll::Failed { now == KVPoll::Failed } else { now == KVPoll::Failed || now >= prev };
+            let ok = if prev == KVPoll::Failed {
+                now == KVPoll::Failed
+            } else {
+                now == KVPoll::Failed || now >= prev
+            };
             self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
                 format!("prefill rank {p}: {prev} then {now}")
             });
@@ -178,9 +182,12 @@ impl World {
                     self.check.check(Inv::StatusMonotonic, prev.is_none(), Some(room), || {
                         format!("prefill rank {p} concluded the room twice ({prev:?}, then {status})")
                     });
-                    self.check.check(Inv::FatalFailsOpenRooms, !fatal || status == KVPoll::Failed, Some(room), || {
-                        format!("prefill rank {p} concluded {status} after its fatal fault")
-                    });
+                    self.check.check(
+                        Inv::FatalFailsOpenRooms,
+                        !fatal || status == KVPoll::Failed,
+                        Some(room),
+                        || format!("prefill rank {p} concluded {status} after its fatal fault"),
+                    );
                 }
                 self.prefills[p as usize].concluded.insert(room);
             }
@@ -242,7 +249,17 @@ impl World {
                 let room = req.room;
                 // Metadata reaching a rank that already concluded the room: the prefill cannot
                 // tell a decode it had not heard from; that decode falls back to its timeout.
-                if self.rooms.get(&room).is_some_and(|r| r.p_done.contains_key(&p)) {
+                // (Known gap, not a corruption: the status could go to it at once.)
+                let terminal = self.prefills[p as usize]
+                    .mgr
+                    .poll(room)
+                    .is_some_and(KVPoll::is_terminal);
+                if terminal
+                    || self
+                        .rooms
+                        .get(&room)
+                        .is_some_and(|r| r.p_done.contains_key(&p))
+                {
                     self.excuse(Some(room));
                 }
                 if !self.prefill_event(p, PrefillEvent::Metadata(*req)) {
@@ -326,7 +343,15 @@ impl World {
         self.prefill_event(p, PrefillEvent::Chunk { room, chunk });
         if !last && self.prefills[p as usize].mgr.poll(room).is_some() {
             let at = self.clock.now() + self.rng.range(10 * US, 3 * MS);
-            self.schedule(at, Ev::Chunk { p, inc, room, k: k + 1 });
+            self.schedule(
+                at,
+                Ev::Chunk {
+                    p,
+                    inc,
+                    room,
+                    k: k + 1,
+                },
+            );
         }
     }
 
@@ -352,7 +377,13 @@ impl World {
             BatchResult::Ok => Ok(()),
             BatchResult::Lost(e) => Err(e),
             BatchResult::Rejected(reason) => {
-                self.prefill_event(a.p, PrefillEvent::SenderFailed { room: a.room, reason });
+                self.prefill_event(
+                    a.p,
+                    PrefillEvent::SenderFailed {
+                        room: a.room,
+                        reason,
+                    },
+                );
                 Ok(())
             }
         };
@@ -433,10 +464,17 @@ impl World {
         n.down = false;
         n.tick_at = None;
         for d in 0..self.sc.decode_tp {
-            let targets = self.decodes[d as usize].targets.iter().any(|t| t.tp_rank == p);
+            let targets = self.decodes[d as usize]
+                .targets
+                .iter()
+                .any(|t| t.tp_rank == p);
             if targets && !self.decodes[d as usize].down {
                 let reg = self.registration(d);
-                self.send(Node::Decode(d), Node::Prefill(p), Msg::Register(Box::new(reg)));
+                self.send(
+                    Node::Decode(d),
+                    Node::Prefill(p),
+                    Msg::Register(Box::new(reg)),
+                );
             }
         }
     }
@@ -450,16 +488,18 @@ impl World {
         }
         for op in &l.ops {
             let Some(src_loc) = self.prefills[p as usize].mem.locate(op.src, op.len) else {
-                self.check.check(Inv::WriteInOwnedPage, false, Some(room), || {
-                    format!("prefill rank {p} reads {op:?} outside its memory")
-                });
+                self.check
+                    .check(Inv::WriteInOwnedPage, false, Some(room), || {
+                        format!("prefill rank {p} reads {op:?} outside its memory")
+                    });
                 return;
             };
             let dn = &self.decodes[d as usize];
             let Some(dst_loc) = dn.mem.locate(op.dst, op.len) else {
-                self.check.check(Inv::WriteInOwnedPage, false, Some(room), || {
-                    format!("prefill rank {p} writes {op:?} outside decode rank {d}'s memory")
-                });
+                self.check
+                    .check(Inv::WriteInOwnedPage, false, Some(room), || {
+                        format!("prefill rank {p} writes {op:?} outside decode rank {d}'s memory")
+                    });
                 return;
             };
             let owners: Vec<Option<Room>> = match dst_loc {
@@ -482,15 +522,34 @@ impl World {
             let released = dr.is_some_and(|r| r.released);
             let owned = owners.iter().all(|o| *o == Some(room));
             let inc = l.d_inc;
-            let what = || format!("prefill rank {p} wrote {op:?} to decode rank {d} (incarnation {inc}); page owners {owners:?}");
-            self.check.check(Inv::NoWriteAfterAck, !acked, Some(room), || format!("{}, after its ABORT_ACK arrived", what()));
-            self.check.check(Inv::NoWriteAfterStatus, !told, Some(room), || format!("{}, after its status arrived", what()));
-            self.check.check(Inv::NoWriteAfterRelease, !released, Some(room), || format!("{}, after the decode released the room", what()));
-            self.check.check(Inv::WriteInOwnedPage, owned, Some(room), || format!("{}, into memory the room does not own", what()));
+            let what = || {
+                format!(
+                    "prefill rank {p} wrote {op:?} to decode rank {d} (incarnation {inc}); page owners {owners:?}"
+                )
+            };
+            self.check
+                .check(Inv::NoWriteAfterAck, !acked, Some(room), || {
+                    format!("{}, after its ABORT_ACK arrived", what())
+                });
+            self.check
+                .check(Inv::NoWriteAfterStatus, !told, Some(room), || {
+                    format!("{}, after its status arrived", what())
+                });
+            self.check
+                .check(Inv::NoWriteAfterRelease, !released, Some(room), || {
+                    format!("{}, after the decode released the room", what())
+                });
+            self.check
+                .check(Inv::WriteInOwnedPage, owned, Some(room), || {
+                    format!("{}, into memory the room does not own", what())
+                });
             if acked || told || released || !owned {
                 return;
             }
-            let bytes = self.prefills[p as usize].mem.bytes(src_loc, op.len).to_vec();
+            let bytes = self.prefills[p as usize]
+                .mem
+                .bytes(src_loc, op.len)
+                .to_vec();
             self.decodes[d as usize]
                 .mem
                 .bytes_mut(dst_loc, op.len)
@@ -529,11 +588,24 @@ fn action_room(a: &PrefillAction) -> Room {
 /// A one-line form of an action for traces.
 fn brief_action(a: &PrefillAction) -> String {
     match a {
-        PrefillAction::PostBatch { batch_id, ops, session, .. } => {
+        PrefillAction::PostBatch {
+            batch_id,
+            ops,
+            session,
+            ..
+        } => {
             format!("PostBatch {batch_id:?} ({} ops) to {session:?}", ops.len())
         }
-        PrefillAction::SendStatus { endpoint, status, reason, .. } => {
-            format!("SendStatus {status} to {}:{} ({reason:?})", endpoint.host, endpoint.port)
+        PrefillAction::SendStatus {
+            endpoint,
+            status,
+            reason,
+            ..
+        } => {
+            format!(
+                "SendStatus {status} to {}:{} ({reason:?})",
+                endpoint.host, endpoint.port
+            )
         }
         other => format!("{other:?}"),
     }
