@@ -19,6 +19,7 @@ use clap::{Parser, Subcommand};
 mod integration;
 mod report;
 mod setup;
+mod sim;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "kvx chores")]
@@ -51,6 +52,8 @@ enum Cmd {
     },
     /// Multi-process and multi-host fault scenarios with real `kvx` processes.
     Integration(integration::Opts),
+    /// Deterministic simulation of the prefill and decode managers (`crates/kvx-sim`).
+    Sim(sim::Opts),
 }
 
 fn main() -> Result<()> {
@@ -93,6 +96,7 @@ fn main() -> Result<()> {
             r
         }
         Cmd::Integration(opts) => integration::run(&root, &opts),
+        Cmd::Sim(opts) => sim::run(&opts),
     }
 }
 
@@ -185,6 +189,8 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
             example,
         ]))?;
     }
+    // The deterministic simulation: 1,000,000 steps clean, every planted mutant caught.
+    sim::ci()?;
     // The short profile of the multi-process fault scenarios (a few minutes on 2 cores).
     integration::run(
         root,

@@ -274,6 +274,9 @@ impl DecodeManager {
                     .get(&bootstrap_addr)
                     .map(|s| s.iter().copied().collect())
                     .unwrap_or_default();
+                // Room order, not hash order: the same inputs give the same outputs (replay).
+                let mut rooms = rooms;
+                rooms.sort_unstable();
                 for room in rooms {
                     let why = DecodeFailure::LostConnection {
                         bootstrap_addr: bootstrap_addr.clone(),
@@ -296,6 +299,9 @@ impl DecodeManager {
                         (elapsed >= timeout).then_some((room, elapsed))
                     })
                     .collect();
+                // Room order, not hash order: abort generations are handed out in this order.
+                let mut late = late;
+                late.sort_unstable_by_key(|(room, _)| *room);
                 for (room, elapsed) in late {
                     self.fail(room, DecodeFailure::WaitingTimeout { elapsed }, true, out);
                 }

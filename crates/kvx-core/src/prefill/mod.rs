@@ -26,10 +26,24 @@
 //! once the room's writes drained. A registration whose DCP size or rank does not pair with this
 //! rank's (1, 0) is refused ([`PrefillError::DcpMismatch`]).
 
+#[cfg(feature = "sim-mutants")]
+pub mod mutant;
 mod plan;
 #[cfg(test)]
 mod tests;
 pub mod types;
+
+/// `true` when the test-only planted bug `$m` is armed (feature `sim-mutants`, see [`mutant`]);
+/// a constant `false` without the feature.
+macro_rules! mutant {
+    ($self:ident, $m:ident) => {{
+        #[cfg(feature = "sim-mutants")]
+        let armed = $self.sim_mutant == Some(mutant::SimMutant::$m);
+        #[cfg(not(feature = "sim-mutants"))]
+        let armed = false;
+        armed
+    }};
+}
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
@@ -118,6 +132,12 @@ pub struct PrefillManager {
     deadlines: BTreeSet<(Instant, Room)>,
     batches: HashMap<BatchId, (Room, SessionId)>,
     next_batch: u64,
+    /// Test-only planted bug (see [`mutant`]).
+    #[cfg(feature = "sim-mutants")]
+    sim_mutant: Option<mutant::SimMutant>,
+    /// The one-shot planted bug already fired (`LostStatus`), or the room it leaks (`Leak`).
+    #[cfg(feature = "sim-mutants")]
+    sim_fired: Option<Option<Room>>,
 }
 
 impl PrefillManager {
@@ -136,7 +156,19 @@ impl PrefillManager {
             deadlines: BTreeSet::new(),
             batches: HashMap::new(),
             next_batch: 0,
+            #[cfg(feature = "sim-mutants")]
+            sim_mutant: None,
+            #[cfg(feature = "sim-mutants")]
+            sim_fired: None,
         }
+    }
+
+    /// Test-only (feature `sim-mutants`): arms a planted bug for kvx-sim's self-test. Never
+    /// call it outside a simulation.
+    #[cfg(feature = "sim-mutants")]
+    pub fn set_sim_mutant(&mut self, m: Option<mutant::SimMutant>) {
+        self.sim_mutant = m;
+        self.sim_fired = None;
     }
 
     /// The configuration.
@@ -236,7 +268,7 @@ impl PrefillManager {
                         dcp_rank: reg.dcp_rank,
                     });
                 }
-                self.register(reg);
+                self.register(reg, out);
                 Ok(())
             }
             PrefillEvent::Metadata(req) => self.metadata(now, req, out),
@@ -289,7 +321,9 @@ impl PrefillManager {
             PrefillEvent::Fatal { reason } => {
                 // Batches stay outstanding: a room is released (and its decodes told) only once
                 // the driver reported every one of its batches.
-                let rooms: Vec<Room> = self.rooms.keys().copied().collect();
+                let mut rooms: Vec<Room> = self.rooms.keys().copied().collect();
+                // Room order, not hash order: the same inputs give the same actions (replay).
+                rooms.sort_unstable();
                 for room in rooms {
                     self.fail(room, RoomError::Fatal(reason.clone()), true, out);
                     self.try_release(room, out);
@@ -302,7 +336,36 @@ impl PrefillManager {
     /// Records a registration: clears the session's failed mark, replaces older sessions of the
     /// same decode inbox (a restarted decode), and evicts the least recently used session when
     /// [`PrefillConfig::max_sessions`] are held.
-    fn register(&mut self, reg: DecodeRegistration) {
+    ///
+    /// A decode registers once per prefill rank when it starts, so a registration of a session
+    /// already held means the decode restarted under the same session id: its memory is new,
+    /// and the page lists of its earlier rooms no longer belong to them. Every open room writing
+    /// to the session fails (its decode is told, which the new process ignores) before a later
+    /// chunk could write the old pages into the new process (found by kvx-sim, seed 65).
+    fn register(&mut self, reg: DecodeRegistration, out: &mut Vec<PrefillAction>) {
+        if self.sessions.contains_key(&reg.session) {
+            let mut stale: Vec<Room> = self
+                .rooms
+                .iter()
+                .filter(|(_, rs)| {
+                    !rs.status.is_terminal()
+                        && rs
+                            .infos
+                            .iter()
+                            .any(|i| i.session == reg.session && !i.is_dummy())
+                })
+                .map(|(r, _)| *r)
+                .collect();
+            stale.sort_unstable();
+            for room in stale {
+                let err = RoomError::SessionDead {
+                    room,
+                    session: reg.session.clone(),
+                };
+                self.fail(room, err, true, out);
+                self.try_release(room, out);
+            }
+        }
         self.failed.remove(&reg.session);
         let stale: Vec<SessionId> = self
             .sessions
@@ -358,6 +421,17 @@ impl PrefillManager {
 
     /// Drops every entry of a room.
     fn remove_room(&mut self, room: Room) {
+        #[cfg(feature = "sim-mutants")]
+        if mutant!(self, Leak) {
+            match self.sim_fired {
+                None => {
+                    self.sim_fired = Some(Some(room));
+                    return;
+                }
+                Some(Some(leaked)) if leaked == room => return,
+                _ => {}
+            }
+        }
         if let Some(rs) = self.rooms.remove(&room) {
             if rs.sender.is_none() {
                 self.unopened = self.unopened.saturating_sub(1);
@@ -630,7 +704,7 @@ impl PrefillManager {
             self.fail(room, err, true, out);
             // sglang's rule: a failed transfer blacklists the decode session; every other open
             // room writing to it fails now rather than one chunk at a time.
-            let others: Vec<Room> = self
+            let mut others: Vec<Room> = self
                 .rooms
                 .iter()
                 .filter(|(r, rs)| {
@@ -643,6 +717,7 @@ impl PrefillManager {
                 })
                 .map(|(r, _)| *r)
                 .collect();
+            others.sort_unstable();
             for other in others {
                 let err = RoomError::SessionDead {
                     room: other,
@@ -691,7 +766,7 @@ impl PrefillManager {
         };
         self.fail(room, reason, false, out);
         if let Some(rs) = self.rooms.get_mut(&room) {
-            if rs.inflight > 0 {
+            if rs.inflight > 0 && !mutant!(self, EarlyAck) {
                 // One ACK per decode endpoint, for its latest ABORT (as sglang keeps them).
                 match rs.pending_acks.iter_mut().find(|(e, _)| *e == endpoint) {
                     Some(slot) => slot.1 = generation,
@@ -811,6 +886,14 @@ impl PrefillManager {
                 reason: None,
                 with_reason: false,
             });
+        }
+        #[cfg(feature = "sim-mutants")]
+        if mutant!(self, LostStatus)
+            && self.sim_fired.is_none()
+            && matches!(out.last(), Some(PrefillAction::SendStatus { .. }))
+        {
+            self.sim_fired = Some(None);
+            out.pop();
         }
         out.push(PrefillAction::Concluded {
             room,

@@ -1359,3 +1359,34 @@ proptest! {
         prop_assert!(mgr.live_entries().is_empty(), "{:?}", mgr.live_entries());
     }
 }
+
+/// kvx-sim seed 65: a decode that restarts under the same session id registers again; rooms of
+/// its first incarnation must not write their old page lists into the new process.
+#[test]
+fn re_registration_of_a_held_session_fails_its_open_rooms() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(65);
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1, 2]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![3]),
+    });
+    for (id, _) in batches(&a) {
+        h.ev(done(id));
+    }
+    assert!(h.mgr.poll(r).is_some_and(|s| !s.is_terminal()));
+    // The decode restarted: same session, new process.
+    let a = h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    // The failed room is gone (nothing was in flight): its next chunk writes nothing.
+    let mut a = Vec::new();
+    let chunk = Chunk::new(PageSlice::new(1, 2).unwrap(), vec![4]).last();
+    let res = h
+        .mgr
+        .handle(h.now, PrefillEvent::Chunk { room: r, chunk }, &mut a);
+    assert_eq!(res, Err(PrefillError::UnknownRoom(r)));
+    assert!(batches(&a).is_empty(), "{a:?}");
+    assert!(h.mgr.live_entries().is_empty());
+}

@@ -1,0 +1,122 @@
+//! The invariants a run checks, each with its own name in the report, and the violation record.
+//!
+//! The checks themselves sit where the facts are known (the world calls [`Checker::check`] at
+//! every step that could break one); this module names them, counts how often each was checked,
+//! and keeps the violations.
+
+use std::fmt;
+
+use kvx_core::Room;
+
+/// A named invariant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Inv {
+    /// A room's status never goes down and Failed sticks, on every prefill and decode rank.
+    StatusMonotonic,
+    /// Every room ends terminal on every rank that held it, within its deadline.
+    TerminalInTime,
+    /// A decode room ends by its prefills' statuses, never by its waiting timeout, unless a
+    /// fault of the run (a lost message, a local abort, a dead rank) explains it.
+    OutcomeDelivered,
+    /// No byte of prefill rank P lands in a room's pages after the decode received P's status.
+    NoWriteAfterStatus,
+    /// No byte of prefill rank P lands after the decode received P's `ABORT_ACK`.
+    NoWriteAfterAck,
+    /// No byte lands in a page after the decode released it.
+    NoWriteAfterRelease,
+    /// No byte lands outside a page (or aux row) the room owns.
+    WriteInOwnedPage,
+    /// Success only once every byte of the room landed, and the bytes are the prefill's.
+    SuccessBytes,
+    /// Once rooms are terminal and drained, no per-room or per-batch entry is left anywhere.
+    NoLeak,
+    /// After a fatal worker fault, every room open on that rank ends Failed on both sides.
+    FatalFailsOpenRooms,
+}
+
+impl Inv {
+    /// Every invariant, in report order.
+    pub const ALL: [Inv; 10] = [
+        Inv::StatusMonotonic,
+        Inv::TerminalInTime,
+        Inv::OutcomeDelivered,
+        Inv::NoWriteAfterStatus,
+        Inv::NoWriteAfterAck,
+        Inv::NoWriteAfterRelease,
+        Inv::WriteInOwnedPage,
+        Inv::SuccessBytes,
+        Inv::NoLeak,
+        Inv::FatalFailsOpenRooms,
+    ];
+
+    /// The report name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Inv::StatusMonotonic => "status-monotonic",
+            Inv::TerminalInTime => "terminal-in-time",
+            Inv::OutcomeDelivered => "outcome-delivered",
+            Inv::NoWriteAfterStatus => "no-write-after-status",
+            Inv::NoWriteAfterAck => "no-write-after-ack",
+            Inv::NoWriteAfterRelease => "no-write-after-release",
+            Inv::WriteInOwnedPage => "write-in-owned-page",
+            Inv::SuccessBytes => "success-bytes",
+            Inv::NoLeak => "no-leak",
+            Inv::FatalFailsOpenRooms => "fatal-fails-open-rooms",
+        }
+    }
+}
+
+/// One broken invariant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// Which.
+    pub inv: Inv,
+    /// The step at which it was seen.
+    pub step: u64,
+    /// The room concerned, if one.
+    pub room: Option<Room>,
+    /// What was seen.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} at step {}", self.inv.name(), self.step)?;
+        if let Some(r) = self.room {
+            write!(f, " (room {r})")?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+/// Counts checks and keeps violations of one seed.
+#[derive(Clone, Debug, Default)]
+pub struct Checker {
+    /// Checks per invariant (index = position in [`Inv::ALL`]).
+    pub checks: [u64; 10],
+    /// Violations, in order.
+    pub violations: Vec<Violation>,
+    /// The current step (set by the world).
+    pub step: u64,
+}
+
+impl Checker {
+    /// Records one check of `inv`; `ok == false` records a violation built by `detail`.
+    pub fn check(
+        &mut self,
+        inv: Inv,
+        ok: bool,
+        room: Option<Room>,
+        detail: impl FnOnce() -> String,
+    ) {
+        self.checks[inv as usize] += 1;
+        if !ok {
+            self.violations.push(Violation {
+                inv,
+                step: self.step,
+                room,
+                detail: detail(),
+            });
+        }
+    }
+}

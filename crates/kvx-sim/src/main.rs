@@ -1,0 +1,106 @@
+//! `kvx-sim [--seed S] [--steps N] [--mutant NAME] [--first-seed S]`: runs seeds until the step
+//! budget is spent (or one seed with `--seed`), stops at the first violation and replays it
+//! with a trace, and prints one line per invariant, then `N steps, M seeds, V violations`.
+
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use kvx_sim::invariants::Inv;
+use kvx_sim::mutants::Mutant;
+use kvx_sim::{replay, run_seed};
+
+fn usage() -> ExitCode {
+    eprintln!("usage: kvx-sim [--seed S] [--steps N] [--mutant NAME] [--first-seed S]");
+    eprintln!("mutants: {}", Mutant::ALL.map(Mutant::name).join(", "));
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let mut seed = None;
+    let mut first = 0u64;
+    let mut steps = 1_000_000u64;
+    let mut mutant = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let val = args.next();
+        let num = val.as_deref().and_then(|v| v.parse::<u64>().ok());
+        match (a.as_str(), num) {
+            ("--seed", Some(n)) => seed = Some(n),
+            ("--first-seed", Some(n)) => first = n,
+            ("--steps", Some(n)) => steps = n,
+            ("--mutant", _) => match val.as_deref().and_then(Mutant::parse) {
+                Some(m) => mutant = Some(m),
+                None => return usage(),
+            },
+            _ => return usage(),
+        }
+    }
+    if let Some(m) = mutant
+        && m.in_core()
+        && !cfg!(feature = "mutants")
+    {
+        eprintln!("kvx-sim: mutant {} needs the `mutants` feature", m.name());
+        return ExitCode::from(2);
+    }
+    let start = Instant::now();
+    let mut checks = [0u64; Inv::ALL.len()];
+    let mut violations = Vec::new();
+    let (mut total, mut seeds) = (0u64, 0u64);
+    let mut next = seed.unwrap_or(first);
+    loop {
+        let out = run_seed(next, mutant);
+        total += out.steps;
+        seeds += 1;
+        for (c, n) in checks.iter_mut().zip(out.checks) {
+            *c += n;
+        }
+        if let Some(v) = out.violations.first() {
+            println!("seed {next}: {v}");
+            let (lines, same) = replay(next, mutant, v);
+            println!("trace of seed {next} (room {:?} and rank faults):", v.room);
+            for l in &lines {
+                println!("  {l}");
+            }
+            if !same {
+                println!("replay of seed {next} did NOT reproduce the violation (nondeterminism)");
+            }
+            violations.extend(out.violations.iter().map(|v| (next, v.clone())));
+            break;
+        }
+        if seed.is_some() || total >= steps {
+            break;
+        }
+        next += 1;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    for inv in Inv::ALL {
+        let v: Vec<_> = violations.iter().filter(|(_, v)| v.inv == inv).collect();
+        match v.first() {
+            None => println!("{:<24} ok ({} checks)", inv.name(), checks[inv as usize]),
+            Some((s, first)) => println!(
+                "{:<24} {} VIOLATED ({} checks; first: seed {s}, {first})",
+                inv.name(),
+                v.len(),
+                checks[inv as usize]
+            ),
+        }
+    }
+    eprintln!(
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s){}",
+        total as f64 / secs.max(1e-9),
+        mutant
+            .map(|m| format!(", mutant {}", m.name()))
+            .unwrap_or_default()
+    );
+    println!(
+        "{total} steps, {seeds} seeds, {} violations",
+        violations.len()
+    );
+    if violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

@@ -1,0 +1,61 @@
+//! Planted bugs for the simulator's self-test: a simulator that cannot find a known bug proves
+//! nothing, so every mutant here must produce a violation within the default step budget.
+//!
+//! `late-write` breaks the simulated transport (a failed batch is answered while some of its
+//! windows are still in flight); the others arm kvx-core's test-only hook (feature
+//! `sim-mutants`, enabled by this crate's `mutants` feature) inside the real `PrefillManager`.
+
+/// A deliberately broken rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mutant {
+    /// The transport answers a failing batch at its first failure, windows still in flight.
+    LateWrite,
+    /// The prefill manager sends `ABORT_ACK` before the room's batches drained.
+    EarlyAck,
+    /// The prefill manager drops one Success status without failing the room.
+    LostStatus,
+    /// The prefill manager keeps one room's entry after it concluded.
+    Leak,
+}
+
+impl Mutant {
+    /// Every mutant, in report order.
+    pub const ALL: [Mutant; 4] = [
+        Mutant::LateWrite,
+        Mutant::EarlyAck,
+        Mutant::LostStatus,
+        Mutant::Leak,
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutant::LateWrite => "late-write",
+            Mutant::EarlyAck => "early-ack",
+            Mutant::LostStatus => "lost-status",
+            Mutant::Leak => "leak",
+        }
+    }
+
+    /// The mutant called `name`.
+    pub fn parse(name: &str) -> Option<Mutant> {
+        Mutant::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// True when the mutant lives in kvx-core (needs the `mutants` feature).
+    pub fn in_core(self) -> bool {
+        !matches!(self, Mutant::LateWrite)
+    }
+
+    /// The kvx-core hook for this mutant, when it is one and the feature is on.
+    #[cfg(feature = "mutants")]
+    pub fn core(self) -> Option<kvx_core::prefill::mutant::SimMutant> {
+        use kvx_core::prefill::mutant::SimMutant;
+        match self {
+            Mutant::LateWrite => None,
+            Mutant::EarlyAck => Some(SimMutant::EarlyAck),
+            Mutant::LostStatus => Some(SimMutant::LostStatus),
+            Mutant::Leak => Some(SimMutant::Leak),
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The decode side of the world: a driver around the real `DecodeManager` that plays kvx-cli's
+//! decode — it allocates pages and an aux row per room, registers with its prefill ranks,
+//! sends metadata, feeds statuses and heartbeat loss, ticks, sends the manager's `ABORT`s, and
+//! releases a room's pages: at once after a verified Success; after a failure only once every
+//! prefill rank that writes to it reported (a status or a current `ABORT_ACK`, both sent only
+//! when its writes drained) or after the release timeout (`decode/release.rs` semantics).
+
+use kvx_core::decode::DecodeFailure;
+use kvx_core::{
+    DecodeAction, DecodeEvent, DecodeRegistration, Destination, KVPoll, Room, StagingRingInfo,
+    TransferRequest,
+};
+
+use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
+use crate::invariants::Inv;
+use crate::net::{Msg, Node};
+
+impl World {
+    /// Decode rank `d`'s registration (sglang 0.5.23's form when the scenario says so).
+    pub(crate) fn registration(&self, d: u32) -> DecodeRegistration {
+        let n = &self.decodes[d as usize];
+        DecodeRegistration {
+            endpoint: decode_endpoint(d),
+            session: decode_session(d),
+            kv_ptrs: n.mem.kv_ptrs(),
+            aux_ptrs: n.mem.aux_ptrs(),
+            state_ptrs: Vec::new(),
+            dst_tp_rank: d,
+            dst_attn_tp_size: self.sc.decode_tp,
+            dst_kv_item_len: n.mem.item_len(),
+            state_item_lens: Vec::new(),
+            state_dim_per_tensor: Vec::new(),
+            kv_layer_ids: Vec::new(),
+            state_layer_ids: Vec::new(),
+            staging: StagingRingInfo::default(),
+            dcp_size: 1,
+            dcp_rank: 0,
+            staging_slot_layer_ids: self.sc.v0523.then(Vec::new),
+            kv_item_lens: self
+                .sc
+                .v0523
+                .then(|| vec![n.mem.item_len(); n.mem.kv_ptrs().len()]),
+        }
+    }
+
+    /// Feeds one event to rank `d`'s manager and performs what it asks.
+    fn decode_event(&mut self, d: u32, ev: DecodeEvent) {
+        let now = self.clock.instant();
+        let mut out = std::mem::take(&mut self.dacts);
+        out.clear();
+        let room = match &ev {
+            DecodeEvent::Created { room, .. }
+            | DecodeEvent::Init { room, .. }
+            | DecodeEvent::MetadataSent { room }
+            | DecodeEvent::Status { room, .. }
+            | DecodeEvent::LocalAbort { room } => Some(*room),
+            _ => None,
+        };
+        let _ = self.decodes[d as usize].mgr.handle(now, ev, &mut out);
+        if let Some(r) = room {
+            self.observe_decode(d, r);
+        }
+        for a in out.drain(..) {
+            self.decode_action(d, a);
+        }
+        self.dacts = out;
+    }
+
+    /// Status monotonic on the decode side.
+    fn observe_decode(&mut self, d: u32, room: Room) {
+        let n = &mut self.decodes[d as usize];
+        let now = n.mgr.poll(room);
+        let prev = match now {
+            Some(s) => n.last_poll.insert(room, s),
+            None => n.last_poll.remove(&room),
+        };
+        if let (Some(prev), Some(now)) = (prev, now) {
+            let ok = if prev == KVPoll::Failed {
+                now == KVPoll::Failed
+            } else {
+                now == KVPoll::Failed || now >= prev
+            };
+            self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
+                format!("decode rank {d}: {prev} then {now}")
+            });
+        }
+    }
+
+    fn decode_action(&mut self, d: u32, a: DecodeAction) {
+        if let Some(t) = &self.trace {
+            let room = match &a {
+                DecodeAction::SendAbort { room, .. } | DecodeAction::Concluded { room, .. } => {
+                    *room
+                }
+            };
+            if t.room == Some(room) {
+                let line = format!("  decode {d} -> {a:?}");
+                self.trace_line(Some(room), || line);
+            }
+        }
+        let now = self.clock.now();
+        match a {
+            DecodeAction::SendAbort {
+                room,
+                endpoint,
+                generation,
+            } => {
+                let p = u32::from(endpoint.port - prefill_endpoint(0).port);
+                if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) {
+                    if generation.is_some() && generation != dr.abort_gen {
+                        dr.acked.clear();
+                    }
+                    dr.abort_gen = generation.or(dr.abort_gen);
+                }
+                let msg = Msg::Abort {
+                    room,
+                    from: d,
+                    generation,
+                };
+                self.send(Node::Decode(d), Node::Prefill(p), msg);
+            }
+            DecodeAction::Concluded {
+                room,
+                status,
+                reason,
+            } => {
+                self.decodes[d as usize].last_poll.remove(&room);
+                let mut excused = false;
+                if let Some(rec) = self.rooms.get_mut(&room) {
+                    let prev = rec.d_done.insert(d, (status, now));
+                    excused = rec.excused;
+                    let fatal: Vec<u32> = rec.fatal.iter().copied().collect();
+                    self.check
+                        .check(Inv::StatusMonotonic, prev.is_none(), Some(room), || {
+                            format!(
+                                "decode rank {d} concluded the room twice ({prev:?}, then {status})"
+                            )
+                        });
+                    let node = &self.decodes[d as usize];
+                    let hit = fatal.iter().any(|&p| node.real_target(p));
+                    self.check.check(Inv::FatalFailsOpenRooms, !hit || status == KVPoll::Failed, Some(room), || {
+                        format!("decode rank {d} concluded {status} though prefill ranks {fatal:?} hit a fatal fault with it open")
+                    });
+                }
+                let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) else {
+                    return;
+                };
+                dr.concluded = Some(status);
+                if status == KVPoll::Success {
+                    let (pages, row) = (dr.pages.clone(), dr.row);
+                    let mem = &mut self.decodes[d as usize].mem;
+                    let bad_page =
+                        (0..pages.len()).find(|&k| !mem.kv_page(room, k as u64, pages[k], true));
+                    let aux_ok = mem.aux_row(room, row, true);
+                    self.check.check(Inv::SuccessBytes, bad_page.is_none() && aux_ok, Some(room), || {
+                        format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row ok {aux_ok} differ from the prefill's")
+                    });
+                    self.decode_release(d, room);
+                } else {
+                    let timeout = matches!(reason, Some(DecodeFailure::WaitingTimeout { .. }));
+                    self.check.check(Inv::OutcomeDelivered, !timeout || excused, Some(room), || {
+                        format!("decode rank {d} timed out waiting, though no fault of the run explains it: {reason:?}")
+                    });
+                    let inc = self.decodes[d as usize].inc;
+                    self.schedule(now + self.sc.release_timeout, Ev::Release { d, inc, room });
+                    self.maybe_release(d, room);
+                }
+            }
+        }
+    }
+
+    /// Releases a failed room once every prefill rank that writes to it has reported.
+    fn maybe_release(&mut self, d: u32, room: Room) {
+        let n = &self.decodes[d as usize];
+        let Some(dr) = n.rooms.get(&room) else {
+            return;
+        };
+        if dr.released || dr.concluded != Some(KVPoll::Failed) {
+            return;
+        }
+        let quiet = n
+            .targets
+            .iter()
+            .filter(|t| !t.dummy)
+            .all(|t| dr.status_from.contains(&t.tp_rank) || dr.acked.contains(&t.tp_rank));
+        if quiet {
+            self.decode_release(d, room);
+        }
+    }
+
+    /// Gives a room's pages and row back.
+    pub(crate) fn decode_release(&mut self, d: u32, room: Room) {
+        let n = &mut self.decodes[d as usize];
+        let Some(dr) = n.rooms.get_mut(&room) else {
+            return;
+        };
+        if dr.released || dr.concluded.is_none() {
+            return;
+        }
+        dr.released = true;
+        for &pg in &dr.pages {
+            n.page_owner[pg as usize] = None;
+            n.free_pages.push(pg);
+        }
+        n.row_owner[dr.row as usize] = None;
+        n.free_rows.push(dr.row);
+    }
+
+    /// Creates the room on rank `d`: pages, metadata to every target, waiting timeout armed.
+    pub(crate) fn decode_create(&mut self, d: u32, room: Room) {
+        let pages = self.rooms.get(&room).map_or(0, |r| r.n);
+        let n = &mut self.decodes[d as usize];
+        let mut got = Vec::with_capacity(pages);
+        for _ in 0..pages {
+            let i = self.rng.below(n.free_pages.len() as u64) as usize;
+            let pg = n.free_pages.swap_remove(i);
+            n.page_owner[pg as usize] = Some(room);
+            got.push(pg);
+        }
+        let row = n.free_rows.pop().expect("the spawner checked the rows");
+        n.row_owner[row as usize] = Some(room);
+        n.rooms.insert(
+            room,
+            DRoom {
+                pages: got.clone(),
+                row,
+                ..DRoom::default()
+            },
+        );
+        let targets = n.targets.clone();
+        let (required_dst, required_resp) = (n.required_dst, n.required_resp);
+        if let Some(rec) = self.rooms.get_mut(&room) {
+            rec.d_open.insert(d);
+        }
+        self.decode_event(
+            d,
+            DecodeEvent::Created {
+                room,
+                bootstrap_addr: BOOTSTRAP.into(),
+            },
+        );
+        self.decode_event(
+            d,
+            DecodeEvent::Init {
+                room,
+                required_prefill_response_num: required_resp,
+                prefill_endpoints: targets
+                    .iter()
+                    .map(|t| prefill_endpoint(t.tp_rank))
+                    .collect(),
+                generational_aborts: self.sc.v0523,
+            },
+        );
+        for t in &targets {
+            let req = TransferRequest {
+                room,
+                endpoint: decode_endpoint(d),
+                session: decode_session(d),
+                dst: (!t.dummy).then(|| Destination {
+                    kv_pages: got.iter().map(|&p| p as i32).collect(),
+                    aux_index: row as i64,
+                    state_indices: Vec::new(),
+                }),
+                required_dst_info_num: required_dst,
+                decode_prefix_len: Some(0),
+                device_kv_pages: Vec::new(),
+            };
+            self.send(
+                Node::Decode(d),
+                Node::Prefill(t.tp_rank),
+                Msg::Metadata(Box::new(req)),
+            );
+        }
+        self.decode_event(d, DecodeEvent::MetadataSent { room });
+        self.ensure_decode_tick(d);
+    }
+
+    fn ensure_decode_tick(&mut self, d: u32) {
+        let n = &mut self.decodes[d as usize];
+        if !n.ticking && !n.down {
+            n.ticking = true;
+            let inc = n.inc;
+            let at = self.clock.now() + self.sc.decode_tick;
+            self.schedule(at, Ev::DecodeTick { d, inc });
+        }
+    }
+
+    pub(crate) fn decode_tick(&mut self, d: u32, inc: u32) {
+        let n = &mut self.decodes[d as usize];
+        if n.inc != inc || n.down {
+            return;
+        }
+        n.ticking = false;
+        self.decode_event(d, DecodeEvent::Tick);
+        if self.decodes[d as usize].mgr.live_entries() > 0 {
+            self.ensure_decode_tick(d);
+        }
+    }
+
+    pub(crate) fn decode_receive(&mut self, d: u32, msg: Msg) {
+        match msg {
+            Msg::Status {
+                room,
+                status,
+                rank,
+                reason,
+            } => {
+                if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) {
+                    dr.status_from.insert(rank);
+                }
+                self.decode_event(
+                    d,
+                    DecodeEvent::Status {
+                        room,
+                        status,
+                        prefill_rank: rank,
+                        reason,
+                    },
+                );
+                self.maybe_release(d, room);
+            }
+            Msg::AbortAck {
+                room,
+                rank,
+                generation,
+            } => {
+                if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room)
+                    && (generation.is_none() || generation == dr.abort_gen)
+                {
+                    dr.acked.insert(rank);
+                }
+                self.maybe_release(d, room);
+            }
+            Msg::Register(_) | Msg::Metadata(_) | Msg::Abort { .. } => {}
+        }
+    }
+
+    pub(crate) fn decode_local_abort(&mut self, d: u32, room: Room) {
+        if self.decodes[d as usize].down || self.decodes[d as usize].mgr.poll(room).is_none() {
+            return;
+        }
+        self.decode_event(d, DecodeEvent::LocalAbort { room });
+    }
+
+    pub(crate) fn decode_heartbeat_lost(&mut self, d: u32) {
+        if self.decodes[d as usize].down {
+            return;
+        }
+        self.decode_event(
+            d,
+            DecodeEvent::HeartbeatLost {
+                bootstrap_addr: BOOTSTRAP.into(),
+            },
+        );
+    }
+
+    /// The decode process dies: its connections fail, its rooms and memory are gone.
+    pub(crate) fn decode_crash(&mut self, d: u32) {
+        if self.decodes[d as usize].down {
+            return;
+        }
+        let mut answers = Vec::new();
+        self.data.crash(d, &mut answers);
+        for a in answers {
+            self.answer_later(a);
+        }
+        let held: Vec<Room> = self.decodes[d as usize]
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.concluded.is_none())
+            .map(|(r, _)| *r)
+            .collect();
+        for room in held {
+            if let Some(rec) = self.rooms.get_mut(&room) {
+                rec.d_crashed.insert(d);
+            }
+        }
+        let mgr = self.new_decode_manager();
+        let n = &mut self.decodes[d as usize];
+        n.inc += 1;
+        n.down = true;
+        n.ticking = false;
+        n.mgr = mgr;
+        n.mem.wipe();
+        n.reset_pools();
+        n.rooms.clear();
+        n.last_poll.clear();
+        let at = self.clock.now() + 200 * crate::clock::MS;
+        self.schedule(at, Ev::DecodeRestart { d });
+    }
+
+    /// The decode is back under the same address and session id, and registers again.
+    pub(crate) fn decode_restart(&mut self, d: u32) {
+        self.decodes[d as usize].down = false;
+        self.data.revive(d);
+        self.register_everywhere(d);
+    }
+}
