@@ -3,11 +3,15 @@
 //!
 //! Baseline, measured in the same run: the naive per-page triple list (one op per page per
 //! buffer, written into a preallocated Vec), i.e. what an unmerged planner must at least do.
+//!
+//! `planner_head_slice`: the heterogeneous-TP plan (prefill TP 1 → decode TP 2, 8 KV heads,
+//! 4k tokens at page size 16, 64 layers: 524 288 per-token ops), iterated and cut into posted
+//! batches; its per-op cost is printed beside the paged plan's.
 #![allow(clippy::unwrap_used)] // fixed, valid bench fixtures: a failure is a bench bug
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use kvx_core::planner::{Coalesce, merge_runs, plan_kv_equal};
+use kvx_core::planner::{Coalesce, HeadSliceParams, merge_runs, plan_kv_equal, plan_kv_head_slice};
 use kvx_core::{BatchLimits, KvLayout, Plan, PlanPart, TransferOp};
 
 const TOKENS: usize = 32 * 1024;
@@ -76,6 +80,41 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // Heterogeneous TP: per-token head slices (prefill TP1 holds 8 heads, decode rank 1 of TP2
+    // takes heads 4..8), page size 16.
+    let hs_src = KvLayout::mha_contiguous(0x1000_0000_0000, LAYERS, 8 * 128 * 16, 512, 16);
+    let hs_dst = KvLayout::mha_contiguous(0x5000_0000_0000, LAYERS, 4 * 128 * 16, 512, 16);
+    let params = HeadSliceParams {
+        total_kv_heads: 8,
+        src_tp_size: 1,
+        src_tp_rank: 0,
+        dst_tp_size: 2,
+        dst_tp_rank: 1,
+    };
+    let hp: Vec<i32> = (0..256).map(|i| 1 + i * 2).collect();
+    let hd: Vec<i32> = (0..256).collect();
+    let hs_plan = plan_kv_head_slice(&hs_src, &hs_dst, &params, &hp, &hd).unwrap();
+    let hs_ops = hs_plan.num_ops();
+    let mut g = c.benchmark_group("planner_head_slice");
+    g.bench_function("all_ops", |b| {
+        b.iter(|| {
+            black_box(&hs_plan)
+                .ops()
+                .fold(0u64, |acc, op| acc ^ op.src ^ op.len)
+        })
+    });
+    g.bench_function("batch_1024", |b| {
+        b.iter(|| {
+            let mut plan = Plan::new();
+            plan.push(PlanPart::HeadSlice(black_box(&hs_plan).clone()));
+            plan.batches(BatchLimits::default())
+                .map(|b| b.len())
+                .sum::<usize>()
+        })
+    });
+    g.finish();
+    println!("planner_head_slice: {hs_ops} ops per room");
 
     // Run counts, printed once for the record.
     let plan = plan_kv_equal(&src, &dst, &sp, &dp).unwrap();

@@ -6,6 +6,8 @@
 //! posts one batch at a time, so no peer ever sees an unbounded submission. [`validate_ops`]
 //! checks arbitrary ops against registered regions.
 
+use std::ops::ControlFlow;
+
 use super::{PlanError, Side};
 use crate::TransferOp;
 
@@ -67,6 +69,14 @@ impl<I: Iterator<Item = TransferOp>> Coalesce<I> {
 impl<I: Iterator<Item = TransferOp>> Iterator for Coalesce<I> {
     type Item = TransferOp;
 
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        // Merging only shrinks the stream: at least one op if any is left, at most all of them.
+        let pending = usize::from(self.pending.is_some());
+        let (lower, upper) = self.inner.size_hint();
+        let lower = usize::from(pending + lower > 0);
+        (lower, upper.and_then(|u| u.checked_add(pending)))
+    }
+
     fn next(&mut self) -> Option<TransferOp> {
         let mut cur = match self.pending.take() {
             Some(op) => op,
@@ -93,6 +103,8 @@ pub struct Batches<I: Iterator<Item = TransferOp>> {
     limits: BatchLimits,
     /// Remainder of an op that did not fit in the previous batch.
     carry: Option<TransferOp>,
+    /// Ops the stream may still yield at most (before splitting), when known.
+    bound: Option<usize>,
 }
 
 impl<I: Iterator<Item = TransferOp>> Batches<I> {
@@ -102,7 +114,30 @@ impl<I: Iterator<Item = TransferOp>> Batches<I> {
             inner,
             limits,
             carry: None,
+            bound: None,
         }
+    }
+
+    /// Tells the batcher that the stream yields at most `ops` ops (before splitting big ones),
+    /// so the last batch is not allocated at the full batch size.
+    #[must_use]
+    pub fn with_ops_bound(mut self, ops: usize) -> Self {
+        self.bound = Some(ops);
+        self
+    }
+
+    /// Capacity for the next batch: the batch limit, or less when the stream is known to be
+    /// shorter, so a batch never grows while it is filled (except by split ops).
+    fn capacity(&self) -> usize {
+        let (lower, upper) = self.inner.size_hint();
+        let left = match (upper, self.bound) {
+            (Some(u), Some(b)) => u.min(b),
+            (u, b) => u.or(b).unwrap_or(usize::MAX),
+        };
+        let left = left
+            .max(lower)
+            .saturating_add(usize::from(self.carry.is_some()));
+        self.limits.max_ops.min(left.max(1))
     }
 }
 
@@ -110,39 +145,62 @@ impl<I: Iterator<Item = TransferOp>> Iterator for Batches<I> {
     type Item = Vec<TransferOp>;
 
     fn next(&mut self) -> Option<Vec<TransferOp>> {
-        let hint = self.inner.size_hint().0.saturating_add(1);
-        let mut batch = Vec::with_capacity(self.limits.max_ops.min(hint));
+        let mut batch = Vec::with_capacity(self.capacity());
         let mut bytes = 0u64;
-        loop {
-            let op = match self.carry.take() {
-                Some(op) => op,
-                None => match self.inner.next() {
-                    Some(op) => op,
-                    None => break,
-                },
-            };
-            if op.len == 0 {
-                continue;
-            }
-            let room = self.limits.max_bytes - bytes;
-            if op.len <= room {
-                bytes += op.len;
-                batch.push(op);
-            } else if batch.is_empty() || room > 0 {
-                // Take what fits, carry the rest (contiguous, so the bytes are unchanged).
-                batch.push(TransferOp::new(op.src, op.dst, room));
-                self.carry = Some(TransferOp::new(op.src + room, op.dst + room, op.len - room));
-                break;
-            } else {
-                self.carry = Some(op);
-                break;
-            }
-            if batch.len() == self.limits.max_ops || bytes == self.limits.max_bytes {
-                break;
-            }
+        let limits = self.limits;
+        // The remainder of a split op goes first.
+        if let Some(op) = self.carry.take()
+            && add(&mut batch, &mut bytes, op, limits, &mut self.carry).is_break()
+        {
+            return Some(batch);
         }
+        // Internal iteration: the op streams (flat maps over parts, runs and buffers) fill a
+        // batch several times faster through `try_for_each` than one `next` at a time.
+        let Batches {
+            inner,
+            carry,
+            bound,
+            ..
+        } = self;
+        let _ = inner.try_for_each(|op| {
+            if let Some(b) = bound.as_mut() {
+                *b = b.saturating_sub(1);
+            }
+            add(&mut batch, &mut bytes, op, limits, carry)
+        });
         (!batch.is_empty()).then_some(batch)
     }
+}
+
+/// Adds `op` to `batch`; `Break` once the batch is full. An op that does not fit is split: what
+/// fits goes in, the contiguous rest waits in `carry` (the same bytes, in the same order).
+#[inline]
+fn add(
+    batch: &mut Vec<TransferOp>,
+    bytes: &mut u64,
+    op: TransferOp,
+    limits: BatchLimits,
+    carry: &mut Option<TransferOp>,
+) -> ControlFlow<()> {
+    if op.len == 0 {
+        return ControlFlow::Continue(());
+    }
+    let room = limits.max_bytes - *bytes;
+    if op.len <= room {
+        *bytes += op.len;
+        batch.push(op);
+        if batch.len() == limits.max_ops || *bytes == limits.max_bytes {
+            return ControlFlow::Break(());
+        }
+        return ControlFlow::Continue(());
+    }
+    if batch.is_empty() || room > 0 {
+        batch.push(TransferOp::new(op.src, op.dst, room));
+        *carry = Some(TransferOp::new(op.src + room, op.dst + room, op.len - room));
+    } else {
+        *carry = Some(op);
+    }
+    ControlFlow::Break(())
 }
 
 /// A registered memory region `[addr, addr+len)`.

@@ -195,7 +195,11 @@ impl PlanPart {
     pub fn ops(&self) -> PartOps<'_> {
         match self {
             PlanPart::Paged(p) => PartOps::Paged(p.ops()),
-            PlanPart::HeadSlice(p) => PartOps::HeadSlice(Box::new(Coalesce::new(p.ops()))),
+            // Neighbouring slices touch only when a slice is a whole token on both sides.
+            PlanPart::HeadSlice(p) if p.may_coalesce() => {
+                PartOps::HeadSlice(Coalesce::new(p.ops()))
+            }
+            PlanPart::HeadSlice(p) => PartOps::HeadSliceApart(p.ops()),
             PlanPart::Ops(v) => PartOps::Ops(v.iter()),
         }
     }
@@ -206,7 +210,9 @@ pub enum PartOps<'a> {
     /// A paged part.
     Paged(paged::PagedOps<'a>),
     /// A head-slice part, coalesced (neighbouring token slices merge when they touch).
-    HeadSlice(Box<dyn Iterator<Item = TransferOp> + 'a>),
+    HeadSlice(Coalesce<slice::HeadSliceOps<'a>>),
+    /// A head-slice part whose slices never touch (no coalescing to try).
+    HeadSliceApart(slice::HeadSliceOps<'a>),
     /// Explicit ops.
     Ops(std::slice::Iter<'a, TransferOp>),
 }
@@ -219,6 +225,7 @@ impl Iterator for PartOps<'_> {
         match self {
             PartOps::Paged(it) => it.next(),
             PartOps::HeadSlice(it) => it.next(),
+            PartOps::HeadSliceApart(it) => it.next(),
             PartOps::Ops(it) => it.next().copied(),
         }
     }
@@ -227,6 +234,7 @@ impl Iterator for PartOps<'_> {
         match self {
             PartOps::Paged(it) => it.size_hint(),
             PartOps::HeadSlice(it) => it.size_hint(),
+            PartOps::HeadSliceApart(it) => it.size_hint(),
             PartOps::Ops(it) => it.size_hint(),
         }
     }
@@ -273,8 +281,10 @@ impl Plan {
     }
 
     /// The ops split into bounded batches. Paged parts are already merged into runs and
-    /// head-slice parts come out coalesced, so no op stream is scanned twice.
+    /// head-slice parts come out coalesced, so no op stream is scanned twice; each batch is
+    /// allocated once, at its final size (the plan's op count bounds the last one).
     pub fn batches(&self, limits: BatchLimits) -> Batches<impl Iterator<Item = TransferOp> + '_> {
-        Batches::new(self.ops(), limits)
+        let bound = usize::try_from(self.num_ops()).unwrap_or(usize::MAX);
+        Batches::new(self.ops(), limits).with_ops_bound(bound)
     }
 }

@@ -126,22 +126,97 @@ impl HeadSlicePlan {
         self.slice
     }
 
-    /// The ops: per buffer pair, per page pair, per token slot.
-    pub fn ops(&self) -> impl Iterator<Item = TransferOp> + '_ {
-        let ps = self.page_size;
-        let (src_tok, dst_tok) = (self.src_item / ps, self.dst_item / ps);
-        let s = self.slice;
-        self.pairs.iter().flat_map(move |p| {
-            self.pages.iter().flat_map(move |&(sp, dp)| {
-                (0..ps).map(move |t| {
-                    TransferOp::new(
-                        p.src.addr + sp * self.src_item + t * src_tok + s.src_offset,
-                        p.dst.addr + dp * self.dst_item + t * dst_tok + s.dst_offset,
-                        s.len,
-                    )
-                })
-            })
-        })
+    /// True when consecutive slices may touch on both sides (a slice spans a whole token on
+    /// both), so coalescing can merge them; otherwise every op stays apart.
+    pub fn may_coalesce(&self) -> bool {
+        let ps = self.page_size.max(1);
+        self.slice.len == self.src_item / ps && self.slice.len == self.dst_item / ps
+    }
+
+    /// The ops: per buffer pair, per page pair, per token slot (see [`HeadSliceOps`]).
+    pub fn ops(&self) -> HeadSliceOps<'_> {
+        HeadSliceOps::new(self)
+    }
+}
+
+/// The ops of a [`HeadSlicePlan`] in order (buffer pair, then page, then token slot): the next
+/// op's addresses are the last one's plus one token stride, and the size hint is exact, so
+/// batches are allocated at their final size.
+#[derive(Clone, Debug)]
+pub struct HeadSliceOps<'a> {
+    plan: &'a HeadSlicePlan,
+    /// Token strides on each side.
+    src_tok: u64,
+    dst_tok: u64,
+    pair: usize,
+    page: usize,
+    /// Token slots left in the current page, and the current op's addresses.
+    tokens_left: u64,
+    src: u64,
+    dst: u64,
+    left: usize,
+}
+
+impl<'a> HeadSliceOps<'a> {
+    fn new(plan: &'a HeadSlicePlan) -> Self {
+        let ps = plan.page_size.max(1);
+        let mut it = HeadSliceOps {
+            plan,
+            src_tok: plan.src_item / ps,
+            dst_tok: plan.dst_item / ps,
+            pair: 0,
+            page: 0,
+            tokens_left: 0,
+            src: 0,
+            dst: 0,
+            left: usize::try_from(plan.num_ops()).unwrap_or(usize::MAX),
+        };
+        it.start_page();
+        it
+    }
+
+    /// Points at token 0 of the current (pair, page), if any is left.
+    fn start_page(&mut self) {
+        let p = self.plan;
+        if let (Some(pair), Some(&(sp, dp))) = (p.pairs.get(self.pair), p.pages.get(self.page)) {
+            // Every address was bounds-checked when the plan was built (the last page and token
+            // included), so none of these sums wraps.
+            self.src = pair.src.addr + sp * p.src_item + p.slice.src_offset;
+            self.dst = pair.dst.addr + dp * p.dst_item + p.slice.dst_offset;
+            self.tokens_left = p.page_size;
+        } else {
+            self.tokens_left = 0;
+        }
+    }
+}
+
+impl Iterator for HeadSliceOps<'_> {
+    type Item = TransferOp;
+
+    #[inline]
+    fn next(&mut self) -> Option<TransferOp> {
+        if self.tokens_left == 0 {
+            return None;
+        }
+        let op = TransferOp::new(self.src, self.dst, self.plan.slice.len);
+        self.left = self.left.saturating_sub(1);
+        self.tokens_left -= 1;
+        if self.tokens_left > 0 {
+            self.src += self.src_tok;
+            self.dst += self.dst_tok;
+        } else {
+            self.page += 1;
+            if self.page == self.plan.pages.len() {
+                self.page = 0;
+                self.pair += 1;
+            }
+            self.start_page();
+        }
+        Some(op)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
     }
 }
 
@@ -211,6 +286,68 @@ mod tests {
 
     /// 8 KV heads × 128 dims bf16 = 256 bytes per head per token.
     const HEAD: u64 = 256;
+
+    /// The ops as the definition states them: per pair, per page, per token slot.
+    fn reference_ops(plan: &HeadSlicePlan) -> Vec<TransferOp> {
+        let ps = plan.page_size;
+        let (src_tok, dst_tok) = (plan.src_item / ps, plan.dst_item / ps);
+        let s = plan.slice;
+        let mut v = Vec::new();
+        for p in &plan.pairs {
+            for &(sp, dp) in &plan.pages {
+                for t in 0..ps {
+                    v.push(TransferOp::new(
+                        p.src.addr + sp * plan.src_item + t * src_tok + s.src_offset,
+                        p.dst.addr + dp * plan.dst_item + t * dst_tok + s.dst_offset,
+                        s.len,
+                    ));
+                }
+            }
+        }
+        v
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn ops_follow_the_definition_with_an_exact_size_hint(
+            layers in 1usize..4,
+            page_size in 1u32..5,
+            dst_tp in prop_oneof_tp(),
+            dst_rank in 0u32..8,
+            pages in proptest::collection::vec((0i32..16, 0i32..16), 0..12),
+        ) {
+            let src = KvLayout::mha_contiguous(0x1000_0000, layers, 8 * HEAD * u64::from(page_size), 16, page_size);
+            let hd = 8 / u64::from(dst_tp);
+            let dst = KvLayout::mha_contiguous(0x9000_0000, layers, hd * HEAD * u64::from(page_size), 16, page_size);
+            let params = HeadSliceParams {
+                total_kv_heads: 8,
+                src_tp_size: 1,
+                src_tp_rank: 0,
+                dst_tp_size: dst_tp,
+                dst_tp_rank: dst_rank % dst_tp,
+            };
+            let (sp, dp): (Vec<i32>, Vec<i32>) = pages.into_iter().unzip();
+            let plan = plan_kv_head_slice(&src, &dst, &params, &sp, &dp).unwrap();
+            let mut it = plan.ops();
+            let mut got = Vec::new();
+            loop {
+                let (lo, hi) = it.size_hint();
+                proptest::prop_assert_eq!(Some(lo), hi);
+                let Some(op) = it.next() else {
+                    proptest::prop_assert_eq!(lo, 0);
+                    break;
+                };
+                proptest::prop_assert!(lo >= 1);
+                got.push(op);
+            }
+            proptest::prop_assert_eq!(got.len() as u64, plan.num_ops());
+            proptest::prop_assert_eq!(got, reference_ops(&plan));
+        }
+    }
+
+    fn prop_oneof_tp() -> impl proptest::strategy::Strategy<Value = u32> {
+        proptest::sample::select(vec![1u32, 2, 4, 8])
+    }
 
     #[test]
     fn one_prefill_to_two_decodes() {
