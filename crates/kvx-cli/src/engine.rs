@@ -272,6 +272,8 @@ pub struct PrefillEngine {
     stop: Arc<AtomicBool>,
     events: Mutex<Option<Receiver<EngineEvent>>>,
     fatal_rx: Mutex<Receiver<Arc<TransferThreadFailed>>>,
+    /// Set by [`PrefillEngine::begin_drain`]: the reason new rooms are refused with.
+    drain: Mutex<Option<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -414,6 +416,7 @@ impl PrefillEngine {
             stop,
             events: Mutex::new(Some(events_rx)),
             fatal_rx: Mutex::new(fatal_rx),
+            drain: Mutex::new(None),
         })
     }
 
@@ -506,6 +509,35 @@ impl PrefillEngine {
             return Some(f);
         }
         lock(&self.fatal_rx).recv_timeout(timeout).ok()
+    }
+
+    /// Starts a drain: from now on [`PrefillEngine::draining`] returns `reason`, which an
+    /// embedder's forward pass checks before it starts a room (`kvx prefill`'s fails every room
+    /// it has not started with it). Rooms already started go on.
+    pub fn begin_drain(&self, reason: &str) {
+        lock(&self.drain).get_or_insert_with(|| reason.to_owned());
+    }
+
+    /// The drain's reason once [`PrefillEngine::begin_drain`] was called.
+    pub fn draining(&self) -> Option<String> {
+        lock(&self.drain).clone()
+    }
+
+    /// Fails every room that is not terminal yet with `reason` (see
+    /// [`PrefillEngine::fail_room`]: its decodes are told once nothing of it is in flight);
+    /// returns how many.
+    pub fn fail_open_rooms(&self, reason: &str) -> usize {
+        self.view
+            .open_rooms()
+            .into_iter()
+            .filter(|&room| self.fail_room(room, reason))
+            .count()
+    }
+
+    /// Waits up to `timeout` until every status and `ABORT_ACK` queued so far went out to its
+    /// decode (before the process exits).
+    pub fn flush(&self, timeout: Duration) {
+        let _ = self.call(|reply| Call::Flush { timeout, reply });
     }
 
     /// Stops the threads (best effort; they notice within ~100 ms).
