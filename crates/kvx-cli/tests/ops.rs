@@ -238,9 +238,16 @@ fn decode_metrics_port(p: &Proc) -> u16 {
     addr.rsplit(':').next().unwrap().parse().unwrap()
 }
 
+/// Arguments, environment, what the error must say.
+type Case = (
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
 #[test]
 fn invalid_flags_are_refused_before_any_traffic_naming_the_flag() {
-    let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
+    let cases: &[Case] = &[
         (
             &["prefill", "--tp-rank", "5", "--tp-size", "2"],
             &[],
