@@ -8,11 +8,23 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::model::ModelPreset;
+use crate::telemetry::LogFormat;
+use crate::validate::{self, ConfigError, HostPort};
 
 /// kvx: KV-cache transfer engine for prefill/decode-disaggregated serving (sglang-compatible).
 #[derive(Debug, Parser)]
 #[command(name = "kvx", version, about)]
 pub struct Cli {
+    /// Log line format on stderr: `text` (colour only on a terminal) or `json` (one object per
+    /// line).
+    #[arg(
+        long,
+        global = true,
+        env = "KVX_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
     /// What to run.
     #[command(subcommand)]
     pub command: Command,
@@ -42,20 +54,66 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value = "llama3-8b")]
     pub model: ModelPreset,
     /// Attention tensor-parallel size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = validate::count_u32)]
     pub tp_size: u32,
     /// Attention tensor-parallel rank of this process.
     #[arg(long, default_value_t = 0)]
     pub tp_rank: u32,
     /// Tokens per KV page.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = validate::count_u64)]
     pub page_size: u64,
     /// KV pages in this process's pool (page 0 is reserved).
-    #[arg(long, default_value_t = 640)]
+    #[arg(long, default_value_t = 640, value_parser = validate::count_u64)]
     pub pool_pages: u64,
     /// KV cache dtype string advertised to decodes (must match theirs).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
+}
+
+impl ModelArgs {
+    /// Checks across the model flags: the rank below the size, a page besides page 0, a page
+    /// size that fits the wire's 32 bits.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate::rank_in_range("--tp-rank", self.tp_rank, "--tp-size", self.tp_size)?;
+        if self.pool_pages < 2 {
+            return Err(ConfigError::Invalid {
+                flag: "--pool-pages",
+                value: self.pool_pages.to_string(),
+                why: "is too small (expected >= 2: page 0 is reserved)".into(),
+            });
+        }
+        if u32::try_from(self.page_size).is_err() {
+            return Err(ConfigError::Invalid {
+                flag: "--page-size",
+                value: self.page_size.to_string(),
+                why: "is too large (expected <= 4294967295)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How a long-running command stops on SIGINT or SIGTERM.
+#[derive(Clone, Debug, Args)]
+pub struct LifecycleArgs {
+    /// Seconds a drain may take after SIGINT/SIGTERM: rooms in flight finish or are failed
+    /// (with the reason sent to their peers) within it, then the process exits 0. A second
+    /// signal exits at once.
+    #[arg(
+        long,
+        env = "KVX_SHUTDOWN_TIMEOUT",
+        default_value_t = 10.0,
+        value_parser = validate::seconds
+    )]
+    pub shutdown_timeout: f64,
+}
+
+impl Default for LifecycleArgs {
+    fn default() -> Self {
+        LifecycleArgs {
+            shutdown_timeout: 10.0,
+        }
+    }
 }
 
 /// Staging for heterogeneous attention TP (spec §6): both sides must agree on the grid.
@@ -63,7 +121,7 @@ pub struct ModelArgs {
 pub struct StagingArgs {
     /// Move KV between different attention-TP sizes through the decode's staging ring (one
     /// gathered write per chunk) instead of per-token head slices. Needed on both sides.
-    #[arg(long, env = "SGLANG_DISAGG_STAGING_BUFFER", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long, env = "SGLANG_DISAGG_STAGING_BUFFER", value_parser = validate::sglang_bool)]
     pub staging: bool,
     /// Tokens per prefill chunk; the staging chunk grid is cut from it (must match the other
     /// side's).
@@ -97,26 +155,32 @@ pub struct PrefillArgs {
     #[arg(long)]
     pub metrics_port: Option<u16>,
     /// Transfer queues (= worker threads); chunks of a room stay on one queue, in order.
-    #[arg(long, env = "SGLANG_DISAGGREGATION_QUEUE_SIZE", default_value_t = 4)]
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_QUEUE_SIZE",
+        default_value_t = 4,
+        value_parser = validate::count
+    )]
     pub queues: usize,
     /// Seconds a room may stay in Bootstrapping before it fails.
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
-        default_value_t = 300.0
+        default_value_t = 300.0,
+        value_parser = validate::seconds
     )]
     pub bootstrap_timeout: f64,
     /// Most writes per transfer batch.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = validate::count)]
     pub max_batch_ops: usize,
     /// About the most bytes per transfer batch, in MiB.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = validate::count_u64)]
     pub max_batch_mib: u64,
     /// Pages per chunk the synthetic forward pass hands over.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = validate::count)]
     pub chunk_pages: usize,
     /// Fraction of page-list breaks in the prefill's source pages (0: contiguous, 1: scattered).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, value_parser = validate::fraction)]
     pub fragmentation: f64,
     /// Restart a transfer worker that died instead of stopping the process (exit code 70).
     #[arg(long)]
@@ -127,17 +191,27 @@ pub struct PrefillArgs {
     #[arg(long, default_value = "auto", value_parser = sending_backend)]
     pub backend: crate::plane::Backend,
     /// Data-plane connections per decode session.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = validate::count)]
     pub connections: usize,
     /// Staging.
     #[command(flatten)]
     pub staging: StagingArgs,
     /// Seconds a staged chunk may wait for ring space before its room fails.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = validate::seconds)]
     pub staging_wait_timeout: f64,
     /// Send aux rows as AUX_DATA messages over ZMQ instead of writing them.
-    #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP", value_parser = validate::sglang_bool)]
     pub aux_over_tcp: bool,
+    /// Drain on SIGINT/SIGTERM.
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
+}
+
+impl PrefillArgs {
+    /// Checks across the flags (before anything is bound).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()
+    }
 }
 
 /// Flags of `kvx decode` (a repeated flag: the last one wins).
@@ -148,8 +222,8 @@ pub struct DecodeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Bootstrap server of the prefill instance, `host:port`.
-    #[arg(long, default_value = "127.0.0.1:8998")]
-    pub bootstrap_addr: String,
+    #[arg(long, default_value = "127.0.0.1:8998", value_parser = validate::host_port)]
+    pub bootstrap_addr: HostPort,
     /// Host this decode binds its ZMQ inbox and data plane on and advertises.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -158,39 +232,42 @@ pub struct DecodeArgs {
     #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
     pub backend: crate::plane::Backend,
     /// Requests (rooms) to run.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = validate::count)]
     pub requests: usize,
     /// Prompt tokens per request (the low end when --prompt-tokens-max is set).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = validate::count_u64)]
     pub prompt_tokens: u64,
     /// Draw prompt lengths uniformly from [--prompt-tokens, this].
     #[arg(long)]
     pub prompt_tokens_max: Option<u64>,
     /// Requests in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = validate::count)]
     pub concurrency: usize,
     /// Fraction of page-list breaks in the destination pages (0: contiguous, 1: scattered).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, value_parser = validate::fraction)]
     pub fragmentation: f64,
     /// Seconds a room may wait for its KV before it fails and an ABORT is sent.
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
-        default_value_t = 300.0
+        default_value_t = 300.0,
+        value_parser = validate::seconds
     )]
     pub waiting_timeout: f64,
     /// Seconds between /health heartbeats (at least 2, as sglang).
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
-        default_value_t = 5.0
+        default_value_t = 5.0,
+        value_parser = validate::seconds
     )]
     pub heartbeat_interval: f64,
     /// Consecutive heartbeat failures before the prefill is declared dead.
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
-        default_value_t = 2
+        default_value_t = 2,
+        value_parser = validate::count_u32
     )]
     pub heartbeat_max_failure: u32,
     /// Seconds an ABORTed room's pages wait for every prefill rank's ABORT_ACK (sent once the
@@ -198,14 +275,16 @@ pub struct DecodeArgs {
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
-        default_value_t = 30.0
+        default_value_t = 30.0,
+        value_parser = validate::seconds
     )]
     pub abort_release_timeout: f64,
     /// Seconds a ZMQ send toward a prefill may block.
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT",
-        default_value_t = 1.0
+        default_value_t = 1.0,
+        value_parser = validate::seconds
     )]
     pub zmq_send_timeout: f64,
     /// Seed for room ids and page placement (random when absent).
@@ -230,9 +309,33 @@ pub struct DecodeArgs {
     #[arg(
         long,
         env = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB",
-        default_value_t = 4096
+        default_value_t = 4096,
+        value_parser = validate::count_u64
     )]
     pub staging_ring_mib: u64,
+    /// Drain on SIGINT/SIGTERM.
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
+}
+
+impl DecodeArgs {
+    /// Checks across the flags and the summary path (before anything is bound or sent).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        if let Some(max) = self.prompt_tokens_max
+            && max < self.prompt_tokens
+        {
+            return Err(ConfigError::Invalid {
+                flag: "--prompt-tokens-max",
+                value: max.to_string(),
+                why: format!("is below --prompt-tokens {}", self.prompt_tokens),
+            });
+        }
+        if let Some(p) = &self.summary_json {
+            validate::writable("--summary-json", p)?;
+        }
+        Ok(())
+    }
 }
 
 /// Flags of `kvx bootstrap`.
@@ -244,6 +347,9 @@ pub struct BootstrapArgs {
     /// Port to bind (sglang's default 8998).
     #[arg(long, default_value_t = 8998)]
     pub port: u16,
+    /// Drain on SIGINT/SIGTERM.
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
 }
 
 /// Flags of `kvx demo` (a repeated flag: the last one wins).
@@ -254,22 +360,27 @@ pub struct DemoArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Rooms to transfer.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = validate::count)]
     pub rooms: usize,
     /// Prompt tokens per room.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = validate::count_u64)]
     pub prompt_tokens: u64,
     /// Rooms in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = validate::count)]
     pub concurrency: usize,
     /// Transfer queues on the prefill.
-    #[arg(long, env = "SGLANG_DISAGGREGATION_QUEUE_SIZE", default_value_t = 4)]
+    #[arg(
+        long,
+        env = "SGLANG_DISAGGREGATION_QUEUE_SIZE",
+        default_value_t = 4,
+        value_parser = validate::count
+    )]
     pub queues: usize,
     /// Pages per chunk the synthetic forward pass hands over.
     #[arg(long, default_value_t = 32)]
     pub chunk_pages: usize,
     /// Fraction of page-list breaks on both sides.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, value_parser = validate::fraction)]
     pub fragmentation: f64,
     /// Write the decode's JSON summary here.
     #[arg(long)]
@@ -282,14 +393,28 @@ pub struct DemoArgs {
     pub backend: crate::plane::Backend,
     /// Decode attention-TP size (default: `--tp-size`); all prefill and decode ranks run in
     /// this process.
-    #[arg(long)]
+    #[arg(long, value_parser = validate::count_u32)]
     pub decode_tp: Option<u32>,
     /// Staging (used when the two TP sizes differ).
     #[command(flatten)]
     pub staging: StagingArgs,
     /// Size of each decode rank's staging ring in MiB (with --staging).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = validate::count_u64)]
     pub staging_ring_mib: u64,
+    /// Drain on SIGINT/SIGTERM.
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
+}
+
+impl DemoArgs {
+    /// Checks across the flags and the summary path (before anything is bound).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        if let Some(p) = &self.summary_json {
+            validate::writable("--summary-json", p)?;
+        }
+        Ok(())
+    }
 }
 
 /// Flags of `kvx send`.
@@ -299,16 +424,16 @@ pub struct SendArgs {
     #[arg(long, default_value = "127.0.0.1:5201")]
     pub to: String,
     /// Bytes per write (block size).
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = 1 << 20, value_parser = validate::count_u64)]
     pub size: u64,
     /// Writes per batch (one completion per batch).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = validate::count)]
     pub batch: usize,
     /// Parallel connections.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = validate::count)]
     pub connections: usize,
     /// Total bytes to send, in MiB.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = validate::count_u64)]
     pub total_mib: u64,
     /// Data-plane backend: `tcp` (a `kvx recv` peer), `mooncake` (a Mooncake TE target or
     /// `kvx recv --backend mooncake`; `--to` is its session id), or `auto`.
@@ -326,7 +451,7 @@ pub struct RecvArgs {
     #[arg(long, default_value = "127.0.0.1:5201")]
     pub listen: String,
     /// Bytes of the receive region (writes land at `offset % region`).
-    #[arg(long, default_value_t = 64 << 20)]
+    #[arg(long, default_value_t = 64 << 20, value_parser = validate::count_u64)]
     pub region: u64,
     /// Data-plane backend: `tcp`, or `mooncake` (a Mooncake-TE-compatible target on the host
     /// of `--listen`, random ports; it prints its session id).

@@ -100,6 +100,13 @@ pub struct DecodeConfig {
     pub backend: crate::plane::Backend,
     /// Staging ring for prefills of another attention-TP size (`None`: head slices only).
     pub staging: Option<DecodeStagingConfig>,
+    /// A drain request (SIGINT/SIGTERM): no new rooms; rooms in flight get
+    /// [`DecodeConfig::shutdown_timeout`], then are failed and ABORTed.
+    pub stop: Option<crate::lifecycle::Stop>,
+    /// How long rooms in flight may take once [`DecodeConfig::stop`] fired.
+    pub shutdown_timeout: Duration,
+    /// Set ready once the prefill's topology is known, draining on a stop (`GET /ready`).
+    pub ready: Option<crate::lifecycle::Readiness>,
 }
 
 impl DecodeConfig {
@@ -129,6 +136,9 @@ impl DecodeConfig {
             progress: false,
             backend: crate::plane::Backend::Tcp,
             staging: None,
+            stop: None,
+            shutdown_timeout: Duration::from_secs(10),
+            ready: None,
         }
     }
 }
@@ -185,6 +195,8 @@ struct Peer {
     aborted_rooms: AtomicU64,
     abort_acked_rooms: AtomicU64,
     late_writes: AtomicU64,
+    /// Rooms the drain deadline failed and ABORTed.
+    shutdown_aborted: AtomicU64,
 }
 
 /// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
@@ -673,6 +685,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         aborted_rooms: AtomicU64::new(0),
         abort_acked_rooms: AtomicU64::new(0),
         late_writes: AtomicU64::new(0),
+        shutdown_aborted: AtomicU64::new(0),
         kv,
         aux,
         cfg,
@@ -698,16 +711,44 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
 
     let cfg = &peer.cfg;
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
-    let topo = Arc::new(connect_prefill(&peer, &client, 15).await?);
+    let connect = connect_prefill(&peer, &client, 15);
+    let topo = match &cfg.stop {
+        Some(stop) => tokio::select! {
+            t = connect => t?,
+            sig = stop.wait() => {
+                peer.stop.store(true, Ordering::Relaxed);
+                return Ok(Summary {
+                    requests: cfg.requests,
+                    not_started: cfg.requests,
+                    interrupted: Some(sig.to_owned()),
+                    ..Summary::default()
+                });
+            }
+        },
+        None => connect.await?,
+    };
+    let topo = Arc::new(topo);
+    if let Some(r) = &cfg.ready {
+        r.set_ready();
+    }
     let hb = tokio::spawn(heartbeat(peer.clone(), client.clone()));
     let ticker = tokio::spawn(ticker(peer.clone()));
+    let drain = cfg
+        .stop
+        .clone()
+        .map(|stop| tokio::spawn(drain(peer.clone(), stop)));
+    metrics::gauge!("kvx_decode_rooms_in_flight").set(0.0);
 
     let bar = progress_bar(cfg.progress, cfg.requests as u64);
     let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(cfg.requests);
+    let stopped = || cfg.stop.as_ref().is_some_and(|s| s.requested().is_some());
     for _ in 0..cfg.requests {
+        if stopped() {
+            break;
+        }
         let given = cfg
             .room_base
             .and_then(|b| Room::new(b.wrapping_add(tasks.len() as u64)));
@@ -721,10 +762,31 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         };
         let tokens =
             rng.random_range(cfg.prompt_tokens.0..=cfg.prompt_tokens.1.max(cfg.prompt_tokens.0));
-        let permit = sem.clone().acquire_owned().await?;
+        let acquire = sem.clone().acquire_owned();
+        let permit = match &cfg.stop {
+            Some(stop) => tokio::select! {
+                p = acquire => p?,
+                _ = stop.wait() => break,
+            },
+            None => acquire.await?,
+        };
         let (peer, topo, bar) = (peer.clone(), topo.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
+            let in_flight = metrics::gauge!("kvx_decode_rooms_in_flight");
+            in_flight.increment(1.0);
             let (result, latency) = one_request(&peer, &topo, room, tokens).await;
+            in_flight.decrement(1.0);
+            let label = match &result {
+                RoomResult::Verified => Some("verified"),
+                RoomResult::Corrupt => Some("corrupt"),
+                RoomResult::Failed(_) => Some("failed"),
+                RoomResult::NotStarted => None,
+            };
+            if let Some(label) = label {
+                metrics::counter!("kvx_decode_rooms_total", "result" => label).increment(1);
+                metrics::histogram!("kvx_decode_room_latency_seconds")
+                    .record(latency.as_secs_f64());
+            }
             drop(permit);
             if let Some(b) = &bar {
                 b.inc(1);
@@ -734,13 +796,19 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     }
     let mut s = Summary {
         requests: cfg.requests,
+        not_started: cfg.requests - tasks.len(),
         ..Summary::default()
     };
     let mut lat = Vec::new();
     for t in tasks {
         let (room, outcome, latency) = t.await?;
+        if matches!(outcome, RoomResult::NotStarted) {
+            s.not_started += 1;
+            continue;
+        }
         lat.push(latency.as_secs_f64() * 1e3);
         match outcome {
+            RoomResult::NotStarted => {}
             RoomResult::Verified => {
                 s.succeeded += 1;
                 s.verified += 1;
@@ -758,10 +826,26 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         }
     }
     // Failed rooms still holding their pages: their ACKs (or timeouts) decide the counts below.
+    // A drain waits for them only briefly (the process is going away with its pages).
+    let interrupted = cfg.stop.as_ref().and_then(|st| st.requested());
     let settling = std::mem::take(&mut *lock(&peer.settling));
-    for t in settling {
-        let _ = t.await;
+    let settle = async {
+        for t in settling {
+            let _ = t.await;
+        }
+    };
+    if interrupted.is_some() {
+        if tokio::time::timeout(SETTLE_ON_DRAIN, settle).await.is_err() {
+            tracing::warn!("drain: failed rooms' pages released without every ABORT_ACK");
+        }
+    } else {
+        settle.await;
     }
+    if let Some(d) = drain {
+        d.abort();
+    }
+    s.interrupted = interrupted.map(str::to_owned);
+    s.shutdown_aborted = peer.shutdown_aborted.load(Ordering::Relaxed) as usize;
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -781,11 +865,42 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     lat.sort_by(f64::total_cmp);
     s.p50_ms = percentile(&lat, 0.50);
     s.p99_ms = percentile(&lat, 0.99);
-    metrics::counter!("kvx_decode_rooms_total", "result" => "verified")
-        .increment(s.verified as u64);
-    metrics::counter!("kvx_decode_rooms_total", "result" => "failed").increment(s.failed as u64);
-    metrics::counter!("kvx_decode_rooms_total", "result" => "corrupt").increment(s.corrupt as u64);
     Ok(s)
+}
+
+/// How long a drain waits for failed rooms' `ABORT_ACK`s before the summary.
+const SETTLE_ON_DRAIN: Duration = Duration::from_secs(2);
+
+/// The decode's drain: once `stop` fires, `/ready` says draining and no room starts; rooms
+/// still in flight after `--shutdown-timeout` fail with the reason and are ABORTed at the
+/// prefill (which stops writing them and acknowledges).
+async fn drain(peer: Arc<Peer>, stop: crate::lifecycle::Stop) {
+    let sig = stop.wait().await;
+    if let Some(r) = &peer.cfg.ready {
+        r.set_draining();
+    }
+    let in_flight = lock(&peer.waiters).len();
+    tracing::warn!(
+        signal = sig,
+        in_flight,
+        timeout_s = peer.cfg.shutdown_timeout.as_secs_f64(),
+        "decode draining: no new rooms"
+    );
+    tokio::time::sleep(peer.cfg.shutdown_timeout).await;
+    let rooms: Vec<Room> = lock(&peer.waiters).keys().copied().collect();
+    if rooms.is_empty() {
+        return;
+    }
+    let why =
+        format!("decode shutting down ({sig}): room still in flight after --shutdown-timeout");
+    tracing::warn!(rooms = rooms.len(), "{why}");
+    for room in rooms {
+        let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+        if !aborts.is_empty() {
+            peer.shutdown_aborted.fetch_add(1, Ordering::Relaxed);
+        }
+        peer.send_aborts(aborts).await;
+    }
 }
 
 fn progress_bar(enabled: bool, n: u64) -> Option<indicatif::ProgressBar> {
@@ -806,6 +921,8 @@ enum RoomResult {
     Verified,
     Corrupt,
     Failed(String),
+    /// The run was stopped before the room sent its metadata.
+    NotStarted,
 }
 
 async fn alloc(peer: &Peer, n: usize) -> Option<(Vec<i32>, u64)> {
@@ -826,7 +943,14 @@ async fn alloc(peer: &Peer, n: usize) -> Option<(Vec<i32>, u64)> {
                 rows.push(row);
             }
         }
-        notified.await;
+        match &peer.cfg.stop {
+            // A drain starts no room: stop waiting for pages.
+            Some(stop) => tokio::select! {
+                () = notified => {}
+                _ = stop.wait() => return None,
+            },
+            None => notified.await,
+        }
     }
 }
 
@@ -846,11 +970,28 @@ async fn one_request(
     let n = cfg.layout.pages_for(tokens) as usize;
     let t0 = Instant::now();
     let Some((pages, row)) = alloc(peer, n).await else {
+        if peer
+            .cfg
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.requested().is_some())
+        {
+            return (RoomResult::NotStarted, t0.elapsed());
+        }
         return (
             RoomResult::Failed("room larger than the decode pool".into()),
             t0.elapsed(),
         );
     };
+    if peer
+        .cfg
+        .stop
+        .as_ref()
+        .is_some_and(|s| s.requested().is_some())
+    {
+        release(peer, &pages, row);
+        return (RoomResult::NotStarted, t0.elapsed());
+    }
     if peer.dead.load(Ordering::Relaxed) {
         release(peer, &pages, row);
         return (

@@ -3,21 +3,27 @@
 //! rank of both instances in the process, `--staging` sends between different TP sizes through
 //! the decode rings). Prints rooms, bytes, GB/s and room
 //! latency percentiles, and as its last line `verified: N/N rooms …`; the exit code is non-zero
-//! when any room failed or did not verify.
+//! when any room failed or did not verify. SIGINT/SIGTERM drain it like `kvx decode` (no new
+//! room, rooms in flight get `--shutdown-timeout`), then it prints its summary and exits 0
+//! unless a started room failed for another reason or arrived corrupt.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 
-use crate::config::{DemoArgs, ModelArgs, PrefillArgs};
+use crate::config::{DemoArgs, LifecycleArgs, ModelArgs, PrefillArgs};
 use crate::decode::{self, DecodeConfig};
+use crate::lifecycle::Signals;
 use crate::prefill_cmd::{rank_registration, start_rank};
-use crate::telemetry;
+use crate::{telemetry, validate};
 
 /// Runs the demo; returns the process exit code.
 pub fn run(args: DemoArgs) -> Result<i32> {
     telemetry::install_metrics();
+    telemetry::zero_counters(telemetry::Role::Prefill);
+    telemetry::zero_counters(telemetry::Role::Decode);
+    let stop = Signals::install("demo")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -63,6 +69,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 staging: args.staging.clone(),
                 staging_wait_timeout: 60.0,
                 aux_over_tcp: false,
+                lifecycle: LifecycleArgs::default(),
             };
             let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
             let reg = rank_registration(&model, &engine.endpoint().host, engine.endpoint().port);
@@ -87,9 +94,11 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 progress: rank == 0,
                 backend: args.backend,
                 staging: args.staging.staging.then_some(decode::DecodeStagingConfig {
-                    ring_bytes: args.staging_ring_mib.max(1) << 20,
+                    ring_bytes: args.staging_ring_mib.saturating_mul(1 << 20),
                     chunked_prefill_size: args.staging.chunked_prefill_size,
                 }),
+                stop: Some(stop.clone()),
+                shutdown_timeout: validate::duration(args.lifecycle.shutdown_timeout),
                 ..DecodeConfig::new(
                     "127.0.0.1",
                     port,
@@ -109,7 +118,14 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         anyhow::Ok((decode::Summary::merge_ranks(&ranks), fatal))
     })?;
     if let Some(path) = &args.summary_json {
-        std::fs::write(path, serde_json::to_vec_pretty(&summary)?)?;
+        std::fs::write(path, serde_json::to_vec_pretty(&summary)?)
+            .with_context(|| format!("--summary-json {}", path.display()))?;
+    }
+    if let Some(sig) = &summary.interrupted {
+        println!(
+            "interrupted by {sig}: {} rooms not started, {} aborted by the drain deadline",
+            summary.not_started, summary.shutdown_aborted
+        );
     }
     if let Some(f) = fatal {
         eprintln!("{f}");
@@ -142,9 +158,5 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         "verified: {}/{} rooms ({} failed, {} corrupt)",
         summary.verified, summary.requests, summary.failed, summary.corrupt
     );
-    Ok(if summary.verified == summary.requests {
-        0
-    } else {
-        1
-    })
+    Ok(if summary.clean() { 0 } else { 1 })
 }

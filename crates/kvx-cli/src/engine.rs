@@ -274,6 +274,8 @@ pub struct PrefillEngine {
     fatal_rx: Mutex<Receiver<Arc<TransferThreadFailed>>>,
     /// Alive while the loop or a worker holds the registered memory (and the data plane).
     threads: std::sync::Weak<WorkerCtx>,
+    /// Set by [`PrefillEngine::begin_drain`]: the reason new rooms are refused with.
+    drain: Mutex<Option<String>>,
 }
 
 /// How long [`PrefillEngine::shutdown`] waits for its threads beyond the data-plane timeout (a
@@ -421,6 +423,7 @@ impl PrefillEngine {
             stop,
             events: Mutex::new(Some(events_rx)),
             fatal_rx: Mutex::new(fatal_rx),
+            drain: Mutex::new(None),
         })
     }
 
@@ -513,6 +516,35 @@ impl PrefillEngine {
             return Some(f);
         }
         lock(&self.fatal_rx).recv_timeout(timeout).ok()
+    }
+
+    /// Starts a drain: from now on [`PrefillEngine::draining`] returns `reason`, which an
+    /// embedder's forward pass checks before it starts a room (`kvx prefill`'s fails every room
+    /// it has not started with it). Rooms already started go on.
+    pub fn begin_drain(&self, reason: &str) {
+        lock(&self.drain).get_or_insert_with(|| reason.to_owned());
+    }
+
+    /// The drain's reason once [`PrefillEngine::begin_drain`] was called.
+    pub fn draining(&self) -> Option<String> {
+        lock(&self.drain).clone()
+    }
+
+    /// Fails every room that is not terminal yet with `reason` (see
+    /// [`PrefillEngine::fail_room`]: its decodes are told once nothing of it is in flight);
+    /// returns how many.
+    pub fn fail_open_rooms(&self, reason: &str) -> usize {
+        self.view
+            .open_rooms()
+            .into_iter()
+            .filter(|&room| self.fail_room(room, reason))
+            .count()
+    }
+
+    /// Waits up to `timeout` until every status and `ABORT_ACK` queued so far went out to its
+    /// decode (before the process exits).
+    pub fn flush(&self, timeout: Duration) {
+        let _ = self.call(|reply| Call::Flush { timeout, reply });
     }
 
     /// Stops the rank and returns once its loop and workers have let go of the registered memory

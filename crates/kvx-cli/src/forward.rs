@@ -3,11 +3,14 @@
 //! When a room is ready (every decode sent metadata) it takes source pages from the prefill's pool
 //! (fragmented like a busy server's), writes the deterministic pattern of the room into every
 //! page of every buffer and the aux row, opens the room and hands its chunks to the engine; when
-//! the room is released it returns the pages. Rooms wait when the pool is full.
+//! the room is released it returns the pages. Rooms wait when the pool is full. Once the engine
+//! drains ([`PrefillEngine::begin_drain`]) it starts no room: every room not started yet is
+//! failed with the drain's reason.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Duration;
 
 use kvx_core::{Chunk, PageSlice, Room};
 
@@ -67,16 +70,24 @@ impl SyntheticModel {
         let mut owned: HashMap<Room, (Vec<i32>, u64)> = HashMap::new();
         let mut waiting: VecDeque<(Room, usize)> = VecDeque::new();
         let mut rows: Vec<u64> = (0..self.layout.aux_rows).rev().collect();
-        while let Ok(ev) = events.recv() {
-            match ev {
-                EngineEvent::Ready { room, pages } => waiting.push_back((room, pages)),
-                EngineEvent::Released { room, .. } => {
+        loop {
+            match events.recv_timeout(Duration::from_millis(100)) {
+                Ok(EngineEvent::Ready { room, pages }) => waiting.push_back((room, pages)),
+                Ok(EngineEvent::Released { room, .. }) => {
                     if let Some((pages, row)) = owned.remove(&room) {
                         self.pages.free(&pages);
                         rows.push(row);
                     }
                     waiting.retain(|(r, _)| *r != room);
                 }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            if let Some(reason) = engine.draining() {
+                for (room, _) in waiting.drain(..) {
+                    engine.fail_room(room, &reason);
+                }
+                continue;
             }
             while let Some(&(room, n)) = waiting.front() {
                 if n >= self.layout.pool_pages as usize {

@@ -1,24 +1,39 @@
 //! The `kvx` binary: see `kvx --help`.
 
-use std::time::Duration;
-
-use anyhow::Result;
-use clap::Parser;
+use anyhow::{Context, Result};
+use clap::Parser as _;
 use kvx_cli::config::{Cli, Command, DecodeArgs};
 use kvx_cli::decode::{self, DecodeConfig};
+use kvx_cli::lifecycle::{Readiness, Signals};
+use kvx_cli::validate::duration;
 use kvx_cli::{demo, link, prefill_cmd, telemetry};
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let argv: Vec<String> = std::env::args().collect();
+            let _ = e.print();
+            if let Some(note) =
+                kvx_cli::validate::env_note(&e, &<Cli as clap::CommandFactory>::command(), &argv)
+            {
+                eprintln!("{note}");
+            }
+            std::process::exit(e.exit_code());
+        }
+    };
     // Failpoints (feature `failpoints`) are configured by the FAILPOINTS environment variable.
     let _failpoints = fail::FailScenario::setup();
     let quiet = matches!(cli.command, Command::Demo(_) | Command::Send(_));
     // The demo's decode leaves while the prefill still holds its session: that is no news.
-    telemetry::init_tracing(if quiet {
-        "warn,kvx_rdma::tcp::client=error"
-    } else {
-        "info"
-    });
+    telemetry::init_tracing(
+        if quiet {
+            "warn,kvx_rdma::tcp::client=error"
+        } else {
+            "info"
+        },
+        cli.log_format,
+    );
     let code = match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
@@ -30,6 +45,13 @@ fn main() {
 }
 
 fn run(cmd: Command) -> Result<i32> {
+    // Checks across flags, before anything is bound or sent (clap checked each value).
+    match &cmd {
+        Command::Prefill(a) => a.validate()?,
+        Command::Decode(a) => a.validate()?,
+        Command::Demo(a) => a.validate()?,
+        _ => {}
+    }
     match cmd {
         Command::Prefill(a) => prefill_cmd::run(a),
         Command::Decode(a) => run_decode(a),
@@ -42,14 +64,13 @@ fn run(cmd: Command) -> Result<i32> {
 
 fn run_decode(a: DecodeArgs) -> Result<i32> {
     telemetry::install_metrics();
-    let (host, port) = a
-        .bootstrap_addr
-        .rsplit_once(':')
-        .ok_or_else(|| anyhow::anyhow!("--bootstrap-addr must be host:port"))?;
+    telemetry::zero_counters(telemetry::Role::Decode);
+    let stop = Signals::install("decode")?;
+    let ready = Readiness::new("not connected to the prefill instance yet");
     let m = &a.model;
     let cfg = DecodeConfig {
-        bootstrap_host: host.trim_matches(['[', ']']).to_owned(),
-        bootstrap_port: port.parse()?,
+        bootstrap_host: a.bootstrap_addr.host.clone(),
+        bootstrap_port: a.bootstrap_addr.port,
         host: a.host.clone(),
         layout: m
             .model
@@ -64,19 +85,22 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         ),
         concurrency: a.concurrency,
         fragmentation: a.fragmentation,
-        waiting_timeout: Duration::from_secs_f64(a.waiting_timeout.max(0.0)),
-        heartbeat_interval: Duration::from_secs_f64(a.heartbeat_interval.max(0.0)),
+        waiting_timeout: duration(a.waiting_timeout),
+        heartbeat_interval: duration(a.heartbeat_interval),
         heartbeat_max_failure: a.heartbeat_max_failure,
-        zmq_send_timeout: Duration::from_secs_f64(a.zmq_send_timeout.max(0.0)),
-        abort_release_timeout: Duration::from_secs_f64(a.abort_release_timeout.max(0.0)),
+        zmq_send_timeout: duration(a.zmq_send_timeout),
+        abort_release_timeout: duration(a.abort_release_timeout),
         seed: a.seed.unwrap_or_else(rand::random),
         room_base: a.room_base,
         progress: !a.no_progress,
         backend: a.backend,
         staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
-            ring_bytes: a.staging_ring_mib.max(1) << 20,
+            ring_bytes: a.staging_ring_mib.saturating_mul(1 << 20),
             chunked_prefill_size: a.staging.chunked_prefill_size,
         }),
+        stop: Some(stop),
+        shutdown_timeout: duration(a.lifecycle.shutdown_timeout),
+        ready: Some(ready.clone()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -84,14 +108,23 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         .build()?;
     let s = rt.block_on(async {
         if let Some(p) = a.metrics_port {
-            let addr: std::net::SocketAddr = format!("{}:{p}", a.host).parse()?;
-            let bound = telemetry::serve_metrics(addr).await?;
-            eprintln!("kvx decode: metrics on http://{bound}/metrics");
+            let addr = kvx_cli::prefill_cmd::listen_addr(&a.host, p, "--host")?;
+            let bound = telemetry::serve(addr, telemetry::ops_router(&ready))
+                .await
+                .with_context(|| format!("--metrics-port {p}: binding {addr}"))?;
+            eprintln!("kvx decode: metrics on http://{bound}/metrics (and /ready, /health)");
         }
         decode::run(cfg).await
     })?;
     if let Some(p) = &a.summary_json {
-        std::fs::write(p, serde_json::to_vec_pretty(&s)?)?;
+        std::fs::write(p, serde_json::to_vec_pretty(&s)?)
+            .with_context(|| format!("--summary-json {}", p.display()))?;
+    }
+    if let Some(sig) = &s.interrupted {
+        println!(
+            "interrupted by {sig}: {} requests not started, {} rooms aborted by the drain deadline",
+            s.not_started, s.shutdown_aborted
+        );
     }
     for (reason, n) in &s.failure_reasons {
         println!("failed: {n} rooms: {reason}");
@@ -113,5 +146,5 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         );
     }
     println!("verified: {}/{} rooms", s.verified, s.requests);
-    Ok(if s.verified == s.requests { 0 } else { 1 })
+    Ok(if s.clean() { 0 } else { 1 })
 }

@@ -2,8 +2,10 @@
 //!
 //! Optionally serves the bootstrap server itself (with `/metrics` on its port), registers the
 //! rank with `PUT /route` (sglang's retries), starts the engine and the synthetic forward pass,
-//! and runs until interrupted — or until a transfer worker dies, in which case it prints the
-//! dead-thread error and exits with [`EXIT_WORKER_FAILED`].
+//! and runs until SIGINT/SIGTERM — then it drains (no new room, rooms in flight finish or fail
+//! with the reason within `--shutdown-timeout`) and exits 0 — or until a transfer worker dies,
+//! in which case it prints the dead-thread error and exits with [`EXIT_WORKER_FAILED`]. `/ready`
+//! answers 200 only once the rank is registered and its inbox and data plane are bound.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,10 +20,12 @@ use crate::config::{ModelArgs, PrefillArgs};
 use crate::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
 use crate::fault::EXIT_WORKER_FAILED;
 use crate::forward::SyntheticModel;
+use crate::lifecycle::{Deadline, Readiness, Signals};
 use crate::model::KvLayout;
 use crate::pages::PageAllocator;
 use crate::region::Region;
 use crate::telemetry;
+use crate::validate;
 
 /// A prefill rank's registered memory for a model.
 pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
@@ -96,8 +100,8 @@ pub fn start_rank(
         bootstrap_port: args.bootstrap_port,
         queues: args.queues.max(1),
         max_batch_ops: args.max_batch_ops.max(1),
-        max_batch_bytes: args.max_batch_mib.max(1) << 20,
-        bootstrap_timeout: Duration::from_secs_f64(args.bootstrap_timeout.max(0.0)),
+        max_batch_bytes: args.max_batch_mib.max(1).saturating_mul(1 << 20),
+        bootstrap_timeout: validate::duration(args.bootstrap_timeout),
         restart_workers: args.restart_workers,
         tp_rank: m.tp_rank,
         tp_size: m.tp_size.max(1),
@@ -110,7 +114,7 @@ pub fn start_rank(
         backend,
         staging: args.staging.staging,
         chunked_prefill_size: args.staging.chunked_prefill_size,
-        staging_wait_timeout: Duration::from_secs_f64(args.staging_wait_timeout.max(0.0)),
+        staging_wait_timeout: validate::duration(args.staging_wait_timeout),
         aux_over_tcp: args.aux_over_tcp,
     };
     let model = SyntheticModel {
@@ -132,71 +136,209 @@ pub fn start_rank(
     Ok(engine)
 }
 
+/// The socket address to bind for `host:port`, resolving a name; the error names `flag`.
+pub fn listen_addr(host: &str, port: u16, flag: &str) -> Result<SocketAddr> {
+    use std::net::ToSocketAddrs as _;
+    (host.trim_matches(['[', ']']), port)
+        .to_socket_addrs()
+        .with_context(|| format!("{flag} {host}: not an address this host can bind"))?
+        .next()
+        .with_context(|| format!("{flag} {host}: resolves to no address"))
+}
+
+/// Extra margin after `--shutdown-timeout` for the rooms failed at the deadline to drain their
+/// batches (each is cancelled; what is in flight completes or errors).
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
 /// `kvx prefill`.
 pub fn run(args: PrefillArgs) -> Result<i32> {
     telemetry::install_metrics();
+    telemetry::zero_counters(telemetry::Role::Prefill);
+    let stop = Signals::install("prefill")?;
+    let ready = Readiness::new("starting");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let engine = start_rank(&args, args.backend, rt.handle().clone())?;
-    let _server = rt.block_on(async {
+    let engine = start_rank(&args, args.backend, rt.handle().clone()).with_context(|| {
+        format!(
+            "--host {} --inbox-port {}: binding the rank's ZMQ inbox and data plane",
+            args.host, args.inbox_port
+        )
+    })?;
+    let registered = rt.block_on(async {
         let mut http_ports = (None, None);
         let server = if args.serve_bootstrap {
+            let (host, port) = (args.bootstrap_host.as_str(), args.bootstrap_port);
             let s = BootstrapServer::bind_with(
-                (args.bootstrap_host.as_str(), args.bootstrap_port),
+                (host, port),
                 ServerConfig::default(),
-                telemetry::metrics_router(),
+                telemetry::metrics_router().merge(ready.router()),
             )
             .await
-            .context("binding the bootstrap server")?;
-            eprintln!("kvx prefill: bootstrap server on http://{}", s.local_addr());
+            .with_context(|| {
+                format!(
+                    "--bootstrap-port {port}: binding the bootstrap server on {host}:{port} \
+                     (--bootstrap-host)"
+                )
+            })?;
+            eprintln!(
+                "kvx prefill: bootstrap server on http://{} (/route, /health, /ready, /metrics)",
+                s.local_addr()
+            );
             http_ports.1 = Some(s.local_addr().port());
             Some(s)
         } else {
             None
         };
         if let Some(p) = args.metrics_port {
-            let addr: SocketAddr = format!("{}:{p}", args.host).parse()?;
-            let bound = telemetry::serve_metrics(addr).await?;
-            eprintln!("kvx prefill: metrics on http://{bound}/metrics");
+            let addr = listen_addr(&args.host, p, "--host")?;
+            let bound = telemetry::serve(addr, telemetry::ops_router(&ready))
+                .await
+                .with_context(|| format!("--metrics-port {p}: binding {addr}"))?;
+            eprintln!("kvx prefill: metrics on http://{bound}/metrics (and /ready, /health)");
             http_ports.0 = Some(bound.port());
         }
         let client = BootstrapClient::new(&args.bootstrap_host, args.bootstrap_port)?;
         let mut reg =
             rank_registration(&args.model, &engine.endpoint().host, engine.endpoint().port);
         reg.prefill_http_port = prefill_http_port(http_ports.0, http_ports.1);
-        if let Err(e) = client.register_rank(&reg, &RetryPolicy::sglang()).await {
-            tracing::error!(error = %e, "rank not registered with the bootstrap server");
-        }
-        anyhow::Ok(server)
+        ready.not_ready("registering with the bootstrap server");
+        let policy = RetryPolicy::sglang();
+        let registered = tokio::select! {
+            r = client.register_rank(&reg, &policy) => Some(r),
+            _ = stop.wait() => None,
+        };
+        anyhow::Ok((server, registered))
     })?;
-    eprintln!(
-        "kvx prefill: rank {} inbox tcp://{} ready",
-        args.model.tp_rank,
-        engine.endpoint()
-    );
-    let waiter = engine.clone();
-    let code = rt.block_on(async move {
-        let fatal = tokio::task::spawn_blocking(move || {
-            loop {
-                if let Some(err) = waiter.wait_fatal(Duration::from_secs(3600)) {
-                    return err;
+    let (server, registered) = registered;
+    let bootstrap = format!("{}:{}", args.bootstrap_host, args.bootstrap_port);
+    match registered {
+        Some(Ok(_)) => {
+            ready.set_ready();
+            eprintln!(
+                "kvx prefill: rank {} inbox tcp://{} registered with the bootstrap server at \
+                 {bootstrap}: ready",
+                args.model.tp_rank,
+                engine.endpoint()
+            );
+        }
+        Some(Err(e)) => {
+            ready.not_ready(&format!("not registered with the bootstrap server: {e}"));
+            tracing::error!(error = %e, %bootstrap, "rank not registered with the bootstrap server");
+            eprintln!(
+                "kvx prefill: rank {} inbox tcp://{} NOT registered with the bootstrap server at \
+                 {bootstrap} ({e}): decodes cannot find it; /ready answers 503",
+                args.model.tp_rank,
+                engine.endpoint()
+            );
+        }
+        None => {}
+    }
+    let timeout = validate::duration(args.lifecycle.shutdown_timeout);
+    let code = rt.block_on(async {
+        let fatal = wait_fatal(engine.clone());
+        let sig = tokio::select! {
+            sig = stop.wait() => sig,
+            err = fatal => {
+                if let Ok(err) = err {
+                    eprintln!("{err}");
+                }
+                return EXIT_WORKER_FAILED;
+            }
+        };
+        let code = drain(&engine, &ready, sig, timeout).await;
+        if let Some(s) = server {
+            // /health answered until now, so decodes' heartbeats saw a live prefill while it drained.
+            if tokio::time::timeout(DRAIN_GRACE, s.shutdown())
+                .await
+                .is_err()
+            {
+                tracing::warn!("bootstrap server: connections still open at exit");
+            }
+        }
+        code
+    });
+    engine.shutdown();
+    rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(code)
+}
+
+/// Resolves with the rank's fatal worker error (polled off the runtime, so it never keeps the
+/// process alive: the thread exits once the receiver is gone).
+fn wait_fatal(
+    engine: Arc<PrefillEngine>,
+) -> tokio::sync::oneshot::Receiver<Arc<crate::fault::TransferThreadFailed>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("kvx-fatal-wait".into())
+        .spawn(move || {
+            while !tx.is_closed() {
+                if let Some(err) = engine.wait_fatal(Duration::from_millis(200)) {
+                    let _ = tx.send(err);
+                    return;
                 }
             }
         });
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => 0,
-            err = fatal => {
-                match err {
-                    Ok(err) => {
-                        eprintln!("{err}");
-                        EXIT_WORKER_FAILED
-                    }
-                    Err(_) => EXIT_WORKER_FAILED,
-                }
-            }
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "fatal-error watcher not started");
+    }
+    rx
+}
+
+/// The prefill's drain: `/ready` says draining, no new room starts (the forward pass fails
+/// every room it has not started, with the reason, so its decodes are told at once), rooms in
+/// flight finish; those still open after `timeout` are failed with the reason (their decodes
+/// get status 0 once their batches drained). Every queued status then goes out. Exit code 0,
+/// or 70 when a worker died meanwhile.
+async fn drain(
+    engine: &Arc<PrefillEngine>,
+    ready: &Readiness,
+    sig: &str,
+    timeout: Duration,
+) -> i32 {
+    ready.set_draining();
+    let reason = format!("prefill shutting down ({sig})");
+    engine.begin_drain(&reason);
+    eprintln!(
+        "kvx prefill: {sig}: draining {} rooms for at most {:.1} s (a second signal exits at once)",
+        engine.live_rooms(),
+        timeout.as_secs_f64()
+    );
+    let mut deadline = Deadline::after(timeout);
+    let mut forced = false;
+    loop {
+        if let Some(err) = engine.wait_fatal(Duration::ZERO) {
+            eprintln!("{err}");
+            return EXIT_WORKER_FAILED;
         }
-    });
-    Ok(code)
+        if engine.live_rooms() == 0 {
+            break;
+        }
+        if deadline.passed() {
+            if forced {
+                tracing::warn!(
+                    rooms = engine.live_rooms(),
+                    "drain: rooms still held at exit"
+                );
+                break;
+            }
+            let e = engine.clone();
+            let why = format!("{reason}: room still in flight after --shutdown-timeout");
+            let n = tokio::task::spawn_blocking(move || e.fail_open_rooms(&why))
+                .await
+                .unwrap_or(0);
+            tracing::warn!(
+                rooms = n,
+                "drain: --shutdown-timeout passed, open rooms failed"
+            );
+            forced = true;
+            deadline = Deadline::after(DRAIN_GRACE);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let e = engine.clone();
+    let _ = tokio::task::spawn_blocking(move || e.flush(DRAIN_GRACE)).await;
+    eprintln!("kvx prefill: drained; exiting");
+    0
 }

@@ -45,6 +45,25 @@ pub struct Summary {
     pub abort_acked_rooms: u64,
     /// Acknowledged rooms whose pages changed after the last `ABORT_ACK` (must be 0).
     pub late_writes: u64,
+    /// The signal that stopped the run before every request ran (`null`: it ran to the end).
+    pub interrupted: Option<String>,
+    /// Requests never started because the run was stopped.
+    pub not_started: usize,
+    /// Rooms still in flight when the drain's `--shutdown-timeout` passed: failed here and
+    /// ABORTed at the prefill (counted in `failed` too).
+    pub shutdown_aborted: usize,
+}
+
+impl Summary {
+    /// Whether the run went as asked: every request verified, or — stopped by a signal — every
+    /// started room verified except those the drain deadline aborted.
+    pub fn clean(&self) -> bool {
+        if self.interrupted.is_some() {
+            self.corrupt == 0 && self.failed == self.shutdown_aborted
+        } else {
+            self.verified == self.requests
+        }
+    }
 }
 
 impl Summary {
@@ -66,9 +85,15 @@ impl Summary {
             .collect();
         unverified.sort_unstable();
         unverified.dedup();
-        out.verified = out.requests.saturating_sub(unverified.len());
+        out.not_started = ranks.iter().map(|r| r.not_started).max().unwrap_or(0);
+        out.interrupted = ranks.iter().find_map(|r| r.interrupted.clone());
+        out.verified = out
+            .requests
+            .saturating_sub(out.not_started)
+            .saturating_sub(unverified.len());
         out.unverified_rooms = unverified;
         for r in ranks {
+            out.shutdown_aborted = out.shutdown_aborted.max(r.shutdown_aborted);
             out.failed = out.failed.max(r.failed);
             out.corrupt = out.corrupt.max(r.corrupt);
             out.bytes += r.bytes;
@@ -88,7 +113,10 @@ impl Summary {
                 *m = m.max(*l);
             }
         }
-        out.succeeded = out.requests.saturating_sub(out.failed);
+        out.succeeded = out
+            .requests
+            .saturating_sub(out.not_started)
+            .saturating_sub(out.failed);
         out.gbps = out.bytes as f64 / out.seconds.max(1e-9) / 1e9;
         let mut lat = out.latencies_ms.clone();
         lat.sort_by(f64::total_cmp);

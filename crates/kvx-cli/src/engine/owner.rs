@@ -49,6 +49,11 @@ pub(crate) enum Call {
         reason: String,
         reply: SyncSender<bool>,
     },
+    /// Answer once every notice queued so far went out (or `timeout` passed).
+    Flush {
+        timeout: Duration,
+        reply: SyncSender<()>,
+    },
 }
 
 /// Everything the loop receives.
@@ -89,6 +94,15 @@ impl View {
 
     pub(crate) fn failure(&self, room: Room) -> Option<String> {
         lock(&self.rooms).get(&room).and_then(|v| v.1.clone())
+    }
+
+    /// Rooms the view holds that are not terminal yet.
+    pub(crate) fn open_rooms(&self) -> Vec<Room> {
+        lock(&self.rooms)
+            .iter()
+            .filter(|(_, (status, _))| !status.is_terminal())
+            .map(|(room, _)| *room)
+            .collect()
     }
 
     pub(crate) fn held(&self) -> usize {
@@ -148,6 +162,9 @@ pub(crate) struct Owner {
     concluded: HashMap<Room, KVPoll>,
     /// Per-room cancel flags shared with the jobs in the workers' queues.
     cancel: HashMap<Room, Arc<AtomicBool>>,
+    /// When each room's last chunk was handed over (`kvx_room_latency_seconds` ends at its
+    /// first status).
+    last_chunk: HashMap<Room, Instant>,
     /// A worker died and is not restarted: the fault, published once the batches drained.
     dying: Option<(TransferThreadFailed, Instant)>,
     next_housekeeping: Instant,
@@ -174,6 +191,7 @@ impl Owner {
             announced: HashSet::new(),
             concluded: HashMap::new(),
             cancel: HashMap::new(),
+            last_chunk: HashMap::new(),
             dying: None,
             next_housekeeping: Instant::now() + HOUSEKEEPING,
         }
@@ -242,7 +260,16 @@ impl Owner {
                 let _ = reply.send(self.handle(event, Some(room)));
             }
             Call::Send { room, chunk, reply } => {
-                let _ = reply.send(self.handle(PrefillEvent::Chunk { room, chunk }, Some(room)));
+                let last = chunk.is_last;
+                let r = self.handle(PrefillEvent::Chunk { room, chunk }, Some(room));
+                if last && r.is_ok() && self.mgr.poll(room).is_some() {
+                    self.last_chunk.entry(room).or_insert_with(Instant::now);
+                }
+                let _ = reply.send(r);
+            }
+            Call::Flush { timeout, reply } => {
+                self.flush_notices(timeout);
+                let _ = reply.send(());
             }
             Call::Fail {
                 room,
@@ -354,6 +381,7 @@ impl Owner {
         touched.extend(released.iter().map(|(r, _)| *r));
         self.refresh(&touched);
         for (room, status) in released {
+            self.last_chunk.remove(&room);
             self.concluded.remove(&room);
             self.announced.remove(&room);
             self.event(EngineEvent::Released { room, status });
@@ -615,6 +643,10 @@ impl Owner {
                     let reason = reason.as_deref().filter(|_| with_reason);
                     metrics::counter!("kvx_status_sent_total", "status" => status_label(status))
                         .increment(1);
+                    if let Some(t) = self.last_chunk.remove(&room) {
+                        metrics::histogram!("kvx_room_latency_seconds")
+                            .record(t.elapsed().as_secs_f64());
+                    }
                     if reason.is_some() {
                         metrics::counter!("kvx_status_reason_frames_total").increment(1);
                     }
@@ -708,7 +740,14 @@ fn action_room(a: &PrefillAction) -> Room {
     }
 }
 
-/// The metric label of a status.
-fn status_label(s: KVPoll) -> String {
-    s.to_string()
+/// The metric label of a status: `failed`, `bootstrapping`, `waiting_for_input`,
+/// `transferring`, `success` (no `KVPoll.` prefix).
+pub(crate) fn status_label(s: KVPoll) -> &'static str {
+    match s {
+        KVPoll::Failed => "failed",
+        KVPoll::Bootstrapping => "bootstrapping",
+        KVPoll::WaitingForInput => "waiting_for_input",
+        KVPoll::Transferring => "transferring",
+        KVPoll::Success => "success",
+    }
 }

@@ -30,11 +30,11 @@ const OTHER_ROOMS: u64 = 2_000_000;
 pub(crate) struct KillDecodeSeen {
     /// Seconds until the prefill held no more than the other decode's rooms (`None`: not in 10 s).
     pub cleared_s: Option<f64>,
-    /// Growth of `kvx_rooms_finished_total{status="KVPoll.Failed"}` from the kill to the end.
+    /// Growth of `kvx_rooms_finished_total{status="failed"}` from the kill to the end.
     pub failed_delta: f64,
     /// Rooms the prefill logged as failed after the kill, by id.
     pub failed_rooms: Vec<u64>,
-    /// `kvx_rooms_finished_total{status="KVPoll.Success"}` just after the kill and at the end.
+    /// `kvx_rooms_finished_total{status="success"}` just after the kill and at the end.
     pub succeeded: (f64, f64),
     /// `kvx_live_workers` before the kill and at the end.
     pub workers: (f64, f64),
@@ -194,11 +194,11 @@ pub fn kill_decode(ctx: &mut Ctx) -> Result<Verdict> {
     };
     let seen = KillDecodeSeen {
         cleared_s: took.map(|d| d.as_secs_f64()),
-        failed_delta: finished(&after, "KVPoll.Failed") - finished(&before, "KVPoll.Failed"),
+        failed_delta: finished(&after, "failed") - finished(&before, "failed"),
         failed_rooms: failed_rooms(&p.proc.log_text(), log_before, ""),
         succeeded: (
-            finished(&at_kill, "KVPoll.Success"),
-            finished(&after, "KVPoll.Success"),
+            finished(&at_kill, "success"),
+            finished(&after, "success"),
         ),
         workers: (
             before.get("kvx_live_workers")?,
@@ -440,7 +440,7 @@ pub(crate) struct SoakSeen {
     pub decode: (i32, Summary),
     /// Rooms the prefill logged as failed by the injected fault.
     pub injected: u64,
-    /// `kvx_rooms_finished_total{status="KVPoll.Failed"}` on the prefill (an error when absent:
+    /// `kvx_rooms_finished_total{status="failed"}` on the prefill (an error when absent:
     /// with faults injected it must exist).
     pub prefill_failed: Result<f64, String>,
     /// `kvx_live_workers` after start and at the end.
@@ -556,7 +556,7 @@ pub fn soak(ctx: &mut Ctx) -> Result<Verdict> {
         decode: (code, s),
         injected: injected as u64,
         prefill_failed: m
-            .get_where("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
+            .get_where("kvx_rooms_finished_total", &[("status", "failed")])
             .map_err(|e| e.to_string()),
         workers: (workers_before, m.get("kvx_live_workers")?),
         worker_failures: m.events("kvx_worker_failures_total", &[]),

@@ -160,7 +160,7 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     let (code, s) = finished?;
     // The rooms the prefill had in flight at the cut ended Failed: the counter must be there.
     let prefill_failed = pm
-        .get_where("kvx_rooms_finished_total", &[("status", "KVPoll.Failed")])
+        .get_where("kvx_rooms_finished_total", &[("status", "failed")])
         .map_err(|e| e.to_string());
     let mut o2 = DecodeOpts::new(common::sized(ctx, 6, 40), 256);
     o2.seed = 1234;
