@@ -176,12 +176,9 @@ struct Peer {
     rooms: Mutex<DecodeManager>,
     /// The task of each held room, told its outcome when the manager concludes the room.
     waiters: Mutex<HashMap<Room, oneshot::Sender<Outcome>>>,
-    /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
-    bootstrap_addr: String,
     outbox: Outbox,
     /// The staging ring and staged rooms (with [`DecodeConfig::staging`]).
     stager: Option<Arc<DecodeStager>>,
-    dead: AtomicBool,
     stop: AtomicBool,
     bytes: AtomicU64,
     /// Inbox messages dropped as malformed or unused (see [`Summary::dropped_messages`]).
@@ -483,7 +480,12 @@ impl Peer {
     }
 }
 
+/// One prefill instance as this decode resolved it (sentinel, rank routes, registrations sent).
 struct Topology {
+    /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
+    bootstrap_addr: String,
+    /// Set once its heartbeats failed `heartbeat_max_failure` times in a row.
+    dead: AtomicBool,
     targets: Vec<Target>,
     required_dst_info_num: u32,
     responses: usize,
@@ -495,7 +497,15 @@ struct Topology {
     generational_aborts: bool,
 }
 
-async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> Result<Topology> {
+/// Resolves the prefill instance behind `client` (its bootstrap server is `bootstrap_addr`):
+/// sentinel (`tries` at 1 s), checks, §4.3 rank mapping, per-rank routes, one registration per
+/// target rank.
+async fn connect_prefill(
+    peer: &Peer,
+    client: &BootstrapClient,
+    bootstrap_addr: String,
+    tries: u32,
+) -> Result<Topology> {
     let mut last = None;
     let mut info = None;
     for k in 0..tries.max(1) {
@@ -579,6 +589,8 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
         _ => None,
     };
     Ok(Topology {
+        bootstrap_addr,
+        dead: AtomicBool::new(false),
         targets,
         required_dst_info_num,
         responses,
@@ -620,12 +632,16 @@ fn check_0523_keys(
     Ok(())
 }
 
-/// Runs the decode peer to completion and returns its summary.
-pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
+/// Binds the decode's data plane (`kv`, `aux` and, with staging, a ring of its own registered on
+/// it, named `name`), inbox and outbox, and starts reading the inbox. The peer and the plane live
+/// until the caller drops the plane and sets `stop`.
+async fn start_peer(
+    cfg: DecodeConfig,
+    kv: Arc<Region>,
+    aux: Arc<Region>,
+    name: &str,
+) -> Result<(Arc<Peer>, DataPlane)> {
     let layout = cfg.layout.clone();
-    let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
-    let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
-    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
     let ring = match &cfg.staging {
         Some(s) => Some(Arc::new(Region::new(
             usize::try_from(s.ring_bytes).context("staging ring size")?,
@@ -634,7 +650,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     };
     let mut regions = vec![kv.clone(), aux.clone()];
     regions.extend(ring.clone());
-    let plane = DataPlane::server(cfg.backend, &cfg.host, &name, regions)
+    let plane = DataPlane::server(cfg.backend, &cfg.host, name, regions)
         .await
         .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
@@ -672,10 +688,8 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             waiting_timeout: cfg.waiting_timeout,
         })),
         waiters: Mutex::new(HashMap::new()),
-        bootstrap_addr: format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port),
         outbox,
         stager,
-        dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
         dropped: AtomicU64::new(0),
@@ -709,9 +723,19 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         let _ = tokio::task::spawn_blocking(move || inbox.close()).await;
     });
 
+    Ok((peer, plane))
+}
+
+/// Runs the decode peer to completion and returns its summary.
+pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
+    let kv = Arc::new(Region::new(cfg.layout.pool_bytes() as usize));
+    let aux = Arc::new(Region::new(cfg.layout.aux_bytes() as usize));
+    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
+    let (peer, plane) = start_peer(cfg, kv, aux, &name).await?;
     let cfg = &peer.cfg;
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
-    let connect = connect_prefill(&peer, &client, 15);
+    let bootstrap_addr = format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port);
+    let connect = connect_prefill(&peer, &client, bootstrap_addr, 15);
     let topo = match &cfg.stop {
         Some(stop) => tokio::select! {
             t = connect => t?,
@@ -731,7 +755,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     if let Some(r) = &cfg.ready {
         r.set_ready();
     }
-    let hb = tokio::spawn(heartbeat(peer.clone(), client.clone()));
+    let hb = tokio::spawn(heartbeat(peer.clone(), client.clone(), topo.clone()));
     let ticker = tokio::spawn(ticker(peer.clone()));
     let drain = cfg
         .stop
@@ -962,7 +986,7 @@ fn release(peer: &Peer, pages: &[i32], row: u64) {
 
 async fn one_request(
     peer: &Arc<Peer>,
-    topo: &Topology,
+    topo: &Arc<Topology>,
     room: Room,
     tokens: u64,
 ) -> (RoomResult, Duration) {
@@ -992,84 +1016,16 @@ async fn one_request(
         release(peer, &pages, row);
         return (RoomResult::NotStarted, t0.elapsed());
     }
-    if peer.dead.load(Ordering::Relaxed) {
+    if topo.dead.load(Ordering::Relaxed) {
         release(peer, &pages, row);
         return (
             RoomResult::Failed("Lost connection with prefill instance".into()),
             t0.elapsed(),
         );
     }
-    let (tx, rx) = oneshot::channel();
-    lock(&peer.waiters).insert(room, tx);
-    let created = DecodeEvent::Created {
-        room,
-        bootstrap_addr: peer.bootstrap_addr.clone(),
-    };
-    let init = DecodeEvent::Init {
-        room,
-        required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
-        prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
-        generational_aborts: topo.generational_aborts,
-    };
-    let aborts = [peer.handle(created, None), peer.handle(init, None)].concat();
-    peer.send_aborts(aborts).await;
-    // A staged room is registered with the ring before its metadata goes out (sglang's order):
-    // the prefill's STAGING_REQs follow the metadata.
-    let staged = match (&peer.stager, &topo.staged) {
-        (Some(st), Some(geom)) => {
-            let peers = topo
-                .targets
-                .iter()
-                .filter(|t| !t.dummy)
-                .map(|t| t.endpoint.clone())
-                .collect();
-            if let Err(e) = st.register_room(room, peers, &pages, geom, topo.dst_tp_rank) {
-                let why = format!("staging: {e}");
-                let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
-                peer.send_aborts(aborts).await;
-            }
-            Some(st.clone())
-        }
-        _ => None,
-    };
     let t0 = Instant::now();
-    for t in &topo.targets {
-        let req = TransferRequest {
-            room,
-            endpoint: peer.me.clone(),
-            session: peer.session.clone(),
-            dst: (!t.dummy).then(|| Destination {
-                kv_pages: pages.clone(),
-                aux_index: row as i64,
-                state_indices: vec![],
-            }),
-            required_dst_info_num: topo.required_dst_info_num,
-            decode_prefix_len: Some(0),
-            device_kv_pages: vec![],
-        };
-        let sent = match wire::encode_metadata(&req) {
-            Ok(f) => peer.send(&t.endpoint, f).await,
-            Err(e) => Err(e.into()),
-        };
-        if let Err(e) = sent {
-            let why = format!("metadata not sent: {e:#}");
-            let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
-            peer.send_aborts(aborts).await;
-            break;
-        }
-    }
-    // The waiting timeout starts once the metadata went out; the ticker enforces it.
-    let aborts = peer.handle(DecodeEvent::MetadataSent { room }, None);
-    peer.send_aborts(aborts).await;
-    let mut outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
+    let (outcome, staged) = peer.drive_room(topo, room, &pages, row).await;
     let latency = t0.elapsed();
-    if let Some(st) = &staged {
-        let (out, drained) = st.finish_room(room, outcome.is_ok());
-        peer.send_all(out).await;
-        if outcome.is_ok() && !drained {
-            outcome = Err("staging: Success before every chunk was scattered".into());
-        }
-    }
     match outcome {
         Ok(()) => {
             let p = peer.clone();
@@ -1093,14 +1049,10 @@ async fn one_request(
             tracing::warn!(%room, %reason, "room failed");
             // A failed room's pages may still receive writes: they are held until nothing can
             // land in them (every ABORT_ACK, the release timeout, or a grace).
-            let p = peer.clone();
+            let (p, topo) = (peer.clone(), topo.clone());
             let task = tokio::spawn(async move {
-                p.settle_failed(room, &pages).await;
+                p.settle_room(room, &pages, &topo, staged).await;
                 release(&p, &pages, row);
-                if let Some(st) = staged {
-                    let out = st.release_fenced(room);
-                    p.send_all(out).await;
-                }
             });
             let mut settling = lock(&peer.settling);
             settling.retain(|t| !t.is_finished());
@@ -1110,7 +1062,113 @@ async fn one_request(
     }
 }
 
-async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
+impl Peer {
+    /// Drives one room whose pages and aux row are held, from its registration with the room
+    /// manager to its outcome: the manager learns of it (`Created`, `Init`), a staged room is
+    /// registered with the ring, metadata goes to every target rank of `topo` (the waiting
+    /// timeout starts), then the outcome the manager concludes is awaited (with staging: Success
+    /// only once every chunk was scattered). Returns the outcome and, for a staged room, the
+    /// stager that still fences its regions until [`Peer::settle_room`].
+    async fn drive_room(
+        &self,
+        topo: &Topology,
+        room: Room,
+        pages: &[i32],
+        row: u64,
+    ) -> (Outcome, Option<Arc<DecodeStager>>) {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiters).insert(room, tx);
+        let created = DecodeEvent::Created {
+            room,
+            bootstrap_addr: topo.bootstrap_addr.clone(),
+        };
+        let init = DecodeEvent::Init {
+            room,
+            required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
+            prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
+            generational_aborts: topo.generational_aborts,
+        };
+        let aborts = [self.handle(created, None), self.handle(init, None)].concat();
+        self.send_aborts(aborts).await;
+        // A staged room is registered with the ring before its metadata goes out (sglang's
+        // order): the prefill's STAGING_REQs follow the metadata.
+        let staged = match (&self.stager, &topo.staged) {
+            (Some(st), Some(geom)) => {
+                let peers = topo
+                    .targets
+                    .iter()
+                    .filter(|t| !t.dummy)
+                    .map(|t| t.endpoint.clone())
+                    .collect();
+                if let Err(e) = st.register_room(room, peers, pages, geom, topo.dst_tp_rank) {
+                    let why = format!("staging: {e}");
+                    let aborts = self.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+                    self.send_aborts(aborts).await;
+                }
+                Some(st.clone())
+            }
+            _ => None,
+        };
+        for t in &topo.targets {
+            let req = TransferRequest {
+                room,
+                endpoint: self.me.clone(),
+                session: self.session.clone(),
+                dst: (!t.dummy).then(|| Destination {
+                    kv_pages: pages.to_vec(),
+                    aux_index: row as i64,
+                    state_indices: vec![],
+                }),
+                required_dst_info_num: topo.required_dst_info_num,
+                decode_prefix_len: Some(0),
+                device_kv_pages: vec![],
+            };
+            let sent = match wire::encode_metadata(&req) {
+                Ok(f) => self.send(&t.endpoint, f).await,
+                Err(e) => Err(e.into()),
+            };
+            if let Err(e) = sent {
+                let why = format!("metadata not sent: {e:#}");
+                let aborts = self.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+                self.send_aborts(aborts).await;
+                break;
+            }
+        }
+        // The waiting timeout starts once the metadata went out; the ticker enforces it.
+        let aborts = self.handle(DecodeEvent::MetadataSent { room }, None);
+        self.send_aborts(aborts).await;
+        let mut outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
+        if let Some(st) = &staged {
+            let (out, drained) = st.finish_room(room, outcome.is_ok());
+            self.send_all(out).await;
+            if outcome.is_ok() && !drained {
+                outcome = Err("staging: Success before every chunk was scattered".into());
+            }
+        }
+        (outcome, staged)
+    }
+
+    /// Holds a failed room's pages until nothing can land in them any more (see
+    /// [`release`](self::release)), then lets a staged room's fenced ring regions go. True when
+    /// every prefill rank the room's `ABORT` went to acknowledged it. The caller releases the
+    /// pages afterwards.
+    async fn settle_room(
+        self: &Arc<Self>,
+        room: Room,
+        pages: &[i32],
+        topo: &Topology,
+        staged: Option<Arc<DecodeStager>>,
+    ) -> bool {
+        let acked = self.settle_failed(room, pages, &topo.dead).await;
+        if let Some(st) = staged {
+            let out = st.release_fenced(room);
+            self.send_all(out).await;
+        }
+        acked
+    }
+}
+
+async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topology>) {
     let period = peer.cfg.heartbeat_interval.max(Duration::from_secs(2));
     let max = peer.cfg.heartbeat_max_failure.max(1);
     let mut failures = 0;
@@ -1122,9 +1180,9 @@ async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
                 failures += 1;
                 tracing::warn!(error = %e, failures, "prefill heartbeat failed");
                 if failures >= max {
-                    peer.dead.store(true, Ordering::Relaxed);
+                    topo.dead.store(true, Ordering::Relaxed);
                     let lost = DecodeEvent::HeartbeatLost {
-                        bootstrap_addr: peer.bootstrap_addr.clone(),
+                        bootstrap_addr: topo.bootstrap_addr.clone(),
                     };
                     let aborts = peer.handle(lost, None);
                     peer.send_aborts(aborts).await;
