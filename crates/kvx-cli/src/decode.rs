@@ -39,20 +39,23 @@ use tokio::sync::{Notify, Semaphore, oneshot};
 
 use crate::decode_staging::{DecodeStager, Outgoing, StagingError};
 use crate::engine::count_dropped;
-use crate::model::{self, KvLayout};
+use crate::model::KvLayout;
 use crate::pages::PageAllocator;
 use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::wire::{self, DecodeInbound};
 
 mod aux;
+pub mod engine;
 mod release;
 mod summary;
+mod verify;
 
 pub use aux::AuxError;
 use kvx_staging::DecodeError;
 use release::AbortWait;
 pub use summary::{Summary, percentile};
+pub use verify::verify_room;
 
 /// Settings of one decode peer.
 #[derive(Clone, Debug)]
@@ -433,50 +436,9 @@ impl Peer {
         }
     }
 
-    /// Checks every byte of a room; returns the bytes checked, or `None` on a mismatch.
+    /// Checks every byte of a room against the pattern ([`verify_room`]).
     fn verify(&self, room: Room, pages: &[i32], row: u64) -> Option<u64> {
-        let l = &self.cfg.layout;
-        let mut bytes = 0;
-        // Copies, not views: a late write from the prefill may still land in these pages.
-        let mut data = vec![0u8; usize::try_from(l.item_len).ok()?];
-        for b in 0..l.num_buffers {
-            let base = l.buffer_addr(self.kv.base(), b);
-            for (i, &p) in pages.iter().enumerate() {
-                self.kv
-                    .copy_out(base + p as u64 * l.item_len, &mut data)
-                    .ok()?;
-                if !l.check_kv(&data, room.get(), b as u32, i as u32) {
-                    tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
-                    return None;
-                }
-                bytes += l.item_len;
-            }
-        }
-        let ptrs = l.aux_ptrs(self.aux.base());
-        let lens = l.aux_item_lens();
-        let mut ok = true;
-        for (i, (&ptr, &len)) in ptrs.iter().zip(&lens).enumerate() {
-            let at = ptr + row * len;
-            ok &= if i == model::AUX_ROOM_INDEX {
-                // sglang's decode admits the request only when the slot holds the room.
-                self.aux.to_vec(at, len).is_ok_and(|d| {
-                    d.split_first_chunk::<8>()
-                        .is_some_and(|(head, _)| *head == room.get().to_le_bytes())
-                })
-            } else {
-                self.aux
-                    .to_vec(at, len)
-                    .is_ok_and(|d| model::check_aux(&d, room.get(), i))
-            };
-        }
-        // sglang zeroes the room slot of a used aux row.
-        let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
-        let _ = self.aux.fill(slot, model::AUX_ROOM_LEN, 0);
-        if !ok {
-            tracing::error!(%room, row, "aux row differs from the pattern");
-            return None;
-        }
-        Some(bytes + l.aux_row_bytes())
+        verify_room(&self.cfg.layout, &self.kv, &self.aux, room, pages, row)
     }
 }
 
