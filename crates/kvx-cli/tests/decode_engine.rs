@@ -65,7 +65,10 @@ impl Prefill {
         self.engine.init_room(room, n, row).unwrap();
         for start in (0..n).step_by(2) {
             let end = (start + 2).min(n);
-            let mut c = Chunk::new(PageSlice::new(start, end).unwrap(), src[start..end].to_vec());
+            let mut c = Chunk::new(
+                PageSlice::new(start, end).unwrap(),
+                src[start..end].to_vec(),
+            );
             if end == n {
                 c = c.last();
             }
@@ -130,9 +133,12 @@ fn embedded_decode_engine_receives_rooms_into_caller_memory() {
     let mut owned = Owned::new(&layout);
     let mem = owned.memory();
     let (kv, aux) = (mem.kv.clone(), mem.aux.clone());
-    let engine =
-        DecodeEngine::start(DecodeEngineConfig::new(layout.clone()), mem, rt.handle().clone())
-            .unwrap();
+    let engine = DecodeEngine::start(
+        DecodeEngineConfig::new(layout.clone()),
+        mem,
+        rt.handle().clone(),
+    )
+    .unwrap();
     let events = engine.take_events().unwrap();
     let addr = format!("127.0.0.1:{}", prefill.port);
 
@@ -157,8 +163,15 @@ fn embedded_decode_engine_receives_rooms_into_caller_memory() {
         held.insert(room, (pages, row));
         pending.push((room, n));
     }
-    assert!(engine.open_room(rooms[0], &addr, vec![0], 0).is_err(), "room open twice");
-    assert!(engine.open_room(Room::new(7).unwrap(), &addr, vec![POOL as i32], 0).is_err());
+    assert!(
+        engine.open_room(rooms[0], &addr, vec![0], 0).is_err(),
+        "room open twice"
+    );
+    assert!(
+        engine
+            .open_room(Room::new(7).unwrap(), &addr, vec![POOL as i32], 0)
+            .is_err()
+    );
 
     let mut verified = 0;
     let mut released = 0;
@@ -190,7 +203,11 @@ fn embedded_decode_engine_receives_rooms_into_caller_memory() {
     assert_eq!(rt.block_on(h.wait()), (KVPoll::Success, None));
     assert!(!rt.block_on(h.wait_released()));
     drop(handles);
-    assert_eq!(engine.poll(rooms[0]), None, "released and dropped: forgotten");
+    assert_eq!(
+        engine.poll(rooms[0]),
+        None,
+        "released and dropped: forgotten"
+    );
     assert_eq!(engine.live_rooms(), 0);
     engine.shutdown();
     drop(engine);
@@ -246,7 +263,10 @@ fn dropping_a_handle_mid_room_aborts_it_and_releases_after_the_ack() {
     // The ABORT reached the prefill, which failed the room and acknowledged it; the pages came
     // back only after the ACK and the late-write window that follows it, long before the
     // release timeout.
-    assert!(matches!(prefill.engine.poll(room), Some(KVPoll::Failed) | None));
+    assert!(matches!(
+        prefill.engine.poll(room),
+        Some(KVPoll::Failed) | None
+    ));
     assert!(
         released >= Duration::from_millis(200) && released < Duration::from_secs(30),
         "{released:?}"

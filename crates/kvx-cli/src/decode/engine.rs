@@ -501,7 +501,9 @@ impl Inner {
     }
 
     fn abandoned(&self, room: Room) -> bool {
-        lock(&self.rooms).get(&room).is_some_and(|s| s.abandoned_flag)
+        lock(&self.rooms)
+            .get(&room)
+            .is_some_and(|s| s.abandoned_flag)
     }
 
     /// The prefill instance at `addr`, resolved once (registrations sent, heartbeat started).

@@ -26,9 +26,7 @@ pub fn verify_room(
     for b in 0..l.num_buffers {
         let base = l.buffer_addr(kv.base(), b);
         for (i, &p) in pages.iter().enumerate() {
-            kv
-                .copy_out(base + p as u64 * l.item_len, &mut data)
-                .ok()?;
+            kv.copy_out(base + p as u64 * l.item_len, &mut data).ok()?;
             if !l.check_kv(&data, room.get(), b as u32, i as u32) {
                 tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
                 return None;
@@ -48,8 +46,7 @@ pub fn verify_room(
                     .is_some_and(|(head, _)| *head == room.get().to_le_bytes())
             })
         } else {
-            aux
-                .to_vec(at, len)
+            aux.to_vec(at, len)
                 .is_ok_and(|d| model::check_aux(&d, room.get(), i))
         };
     }
