@@ -40,7 +40,8 @@ impl Prefill {
             total_kv_heads: layout.total_kv_heads,
             ..PrefillConfig::default()
         };
-        let engine = PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).unwrap();
+        let engine =
+            PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).expect("prefill engine");
         common::register_tiny_rank(rt, port, POOL, engine.endpoint().port);
         let model = SyntheticModel {
             layout: layout.clone(),
@@ -60,19 +61,19 @@ impl Prefill {
 
     /// The forward pass of one room whose metadata arrived: KV written, sent in 2-page chunks.
     fn serve(&mut self, room: Room, n: usize, row: u64) {
-        let src = self.pages.alloc(n).unwrap();
+        let src = self.pages.alloc(n).expect("prefill pages");
         self.model.fill(room, &src, row);
-        self.engine.init_room(room, n, row).unwrap();
+        self.engine.init_room(room, n, row).expect("init_room");
         for start in (0..n).step_by(2) {
             let end = (start + 2).min(n);
             let mut c = Chunk::new(
-                PageSlice::new(start, end).unwrap(),
+                PageSlice::new(start, end).expect("slice"),
                 src[start..end].to_vec(),
             );
             if end == n {
                 c = c.last();
             }
-            self.engine.send(room, c).unwrap();
+            self.engine.send(room, c).expect("send");
         }
     }
 }
@@ -96,8 +97,8 @@ impl Owned {
         // are touched only through these regions.
         let (kv, aux) = unsafe {
             (
-                Region::from_raw(self.kv.as_mut_ptr() as u64, self.kv.len()).unwrap(),
-                Region::from_raw(self.aux.as_mut_ptr() as u64, self.aux.len()).unwrap(),
+                Region::from_raw(self.kv.as_mut_ptr() as u64, self.kv.len()).expect("kv"),
+                Region::from_raw(self.aux.as_mut_ptr() as u64, self.aux.len()).expect("aux"),
             )
         };
         DecodeMemory::new(Arc::new(kv), Arc::new(aux))
