@@ -363,10 +363,10 @@ impl DecodeEngine {
     }
 
     /// Stops the engine: every room not yet terminal fails and is `ABORT`ed, room tasks and the
-    /// heartbeats stop, and the data plane deregisters the memory; returns once no engine task
-    /// touches the memory any more (at most a few seconds). Pages of rooms not yet released
-    /// may still receive a prefill's write until its `ABORT` is handled. Blocks: call it off the
-    /// runtime's worker threads. Also run on drop.
+    /// heartbeats stop, the data plane deregisters the memory (nothing lands in it any more) and
+    /// the engine forgets every room (handles' [`RoomHandle::wait`] resolves `Failed`); returns
+    /// once no engine task touches the memory (at most a few seconds), after which all of it is
+    /// the caller's again. Blocks: call it off the runtime's worker threads. Also run on drop.
     pub fn shutdown(&self) {
         let inner = &self.inner;
         if inner.peer.stop.swap(true, Ordering::Relaxed) {
@@ -395,6 +395,8 @@ impl DecodeEngine {
             std::thread::sleep(Duration::from_millis(10));
         }
         drop(lock(&inner.plane).take());
+        // Handles still held learn of it: `wait` resolves Failed, `wait_released` false.
+        lock(&inner.rooms).clear();
     }
 }
 
