@@ -20,6 +20,10 @@
 //! With staging ([`DecodeConfig::staging`]) it also
 //! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
 //! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
+//!
+//! The protocol is [`engine::DecodeEngine`]'s, the embeddable decode rank: [`run`] opens every
+//! room on one (over memory of its own) and adds the load generation — rooms, fragmented page
+//! allocation, byte verification, the drain and the [`Summary`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,6 +51,8 @@ use crate::wire::{self, DecodeInbound};
 
 mod aux;
 pub mod engine;
+
+use engine::DecodeEngine;
 mod release;
 mod summary;
 mod verify;
@@ -693,16 +699,21 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let kv = Arc::new(Region::new(cfg.layout.pool_bytes() as usize));
     let aux = Arc::new(Region::new(cfg.layout.aux_bytes() as usize));
     let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
-    let (peer, plane) = start_peer(cfg, kv, aux, &name).await?;
+    // The rooms run on a decode engine, as an embedder's would; this driver allocates their
+    // pages, verifies them and keeps the summary.
+    let mem = engine::DecodeMemory::new(kv, aux);
+    let engine = Arc::new(DecodeEngine::with_peer_config(cfg, mem, &name, 15, false).await?);
+    let peer = engine.peer().clone();
     let cfg = &peer.cfg;
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
     let bootstrap_addr = format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port);
-    let connect = connect_prefill(&peer, &client, bootstrap_addr, 15);
+    // Resolved before the first room (its heartbeat starts with it), as sglang's decode does.
+    let connect = engine.resolve(&bootstrap_addr, &client);
     let topo = match &cfg.stop {
         Some(stop) => tokio::select! {
             t = connect => t?,
             sig = stop.wait() => {
-                peer.stop.store(true, Ordering::Relaxed);
+                engine.close();
                 return Ok(Summary {
                     requests: cfg.requests,
                     not_started: cfg.requests,
@@ -713,12 +724,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         },
         None => connect.await?,
     };
-    let topo = Arc::new(topo);
     if let Some(r) = &cfg.ready {
         r.set_ready();
     }
-    let hb = tokio::spawn(heartbeat(peer.clone(), client.clone(), topo.clone()));
-    let ticker = tokio::spawn(ticker(peer.clone()));
+    let addr: Arc<str> = bootstrap_addr.into();
     let drain = cfg
         .stop
         .clone()
@@ -756,11 +765,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             },
             None => acquire.await?,
         };
-        let (peer, topo, bar) = (peer.clone(), topo.clone(), bar.clone());
+        let (engine, topo, addr, bar) = (engine.clone(), topo.clone(), addr.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
             let in_flight = metrics::gauge!("kvx_decode_rooms_in_flight");
             in_flight.increment(1.0);
-            let (result, latency) = one_request(&peer, &topo, room, tokens).await;
+            let (result, latency) = one_request(&engine, &topo, &addr, room, tokens).await;
             in_flight.decrement(1.0);
             let label = match &result {
                 RoomResult::Verified => Some("verified"),
@@ -835,10 +844,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    hb.abort();
-    ticker.abort();
-    peer.stop.store(true, Ordering::Relaxed);
-    drop(plane);
+    engine.close();
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.staged_chunks = peer.stager.as_ref().map_or(0, |st| st.scattered());
@@ -947,11 +953,13 @@ fn release(peer: &Peer, pages: &[i32], row: u64) {
 }
 
 async fn one_request(
-    peer: &Arc<Peer>,
-    topo: &Arc<Topology>,
+    engine: &DecodeEngine,
+    topo: &Topology,
+    addr: &str,
     room: Room,
     tokens: u64,
 ) -> (RoomResult, Duration) {
+    let peer = engine.peer();
     let cfg = &peer.cfg;
     let n = cfg.layout.pages_for(tokens) as usize;
     let t0 = Instant::now();
@@ -986,42 +994,47 @@ async fn one_request(
         );
     }
     let t0 = Instant::now();
-    let (outcome, staged) = peer.drive_room(topo, room, &pages, row).await;
+    let handle = match engine.open_room(room, addr, pages.clone(), row) {
+        Ok(h) => h,
+        Err(e) => {
+            release(peer, &pages, row);
+            return (RoomResult::Failed(format!("{e:#}")), t0.elapsed());
+        }
+    };
+    let (status, reason) = handle.wait().await;
     let latency = t0.elapsed();
-    match outcome {
-        Ok(()) => {
-            let p = peer.clone();
-            let checked = tokio::task::spawn_blocking(move || {
-                let r = p.verify(room, &pages, row);
-                release(&p, &pages, row);
-                r
-            })
-            .await
-            .ok()
-            .flatten();
-            match checked {
-                Some(bytes) => {
-                    peer.bytes.fetch_add(bytes, Ordering::Relaxed);
-                    (RoomResult::Verified, latency)
-                }
-                None => (RoomResult::Corrupt, latency),
+    if status == KVPoll::Success {
+        let p = peer.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let r = p.verify(room, &pages, row);
+            release(&p, &pages, row);
+            r
+        })
+        .await
+        .ok()
+        .flatten();
+        return match checked {
+            Some(bytes) => {
+                peer.bytes.fetch_add(bytes, Ordering::Relaxed);
+                (RoomResult::Verified, latency)
             }
-        }
-        Err(reason) => {
-            tracing::warn!(%room, %reason, "room failed");
-            // A failed room's pages may still receive writes: they are held until nothing can
-            // land in them (every ABORT_ACK, the release timeout, or a grace).
-            let (p, topo) = (peer.clone(), topo.clone());
-            let task = tokio::spawn(async move {
-                p.settle_room(room, &pages, &topo, staged).await;
-                release(&p, &pages, row);
-            });
-            let mut settling = lock(&peer.settling);
-            settling.retain(|t| !t.is_finished());
-            settling.push(task);
-            (RoomResult::Failed(reason), latency)
-        }
+            None => (RoomResult::Corrupt, latency),
+        };
     }
+    // A failed room's pages may still receive writes: the engine holds them until nothing can
+    // land in them (every ABORT_ACK, the release timeout, or a grace).
+    let p = peer.clone();
+    let task = tokio::spawn(async move {
+        handle.wait_released().await;
+        release(&p, &pages, row);
+    });
+    let mut settling = lock(&peer.settling);
+    settling.retain(|t| !t.is_finished());
+    settling.push(task);
+    (
+        RoomResult::Failed(reason.unwrap_or_else(|| "failed".into())),
+        latency,
+    )
 }
 
 impl Peer {

@@ -208,6 +208,8 @@ struct Inner {
 pub struct DecodeEngine {
     inner: Arc<Inner>,
     events: Mutex<Option<Receiver<DecodeEngineEvent>>>,
+    /// Drop runs [`DecodeEngine::shutdown`] (else [`DecodeEngine::close`]).
+    wait_on_drop: bool,
 }
 
 /// A room opened with [`DecodeEngine::open_room`]. Dropping it before the room is terminal fails
@@ -253,7 +255,28 @@ impl DecodeEngine {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let (peer, plane) = start_peer(cfg.peer_config(), mem.kv, mem.aux, &name).await?;
+        let mut engine = Self::with_peer_config(
+            cfg.peer_config(),
+            mem,
+            &name,
+            cfg.bootstrap_tries,
+            cfg.events,
+        )
+        .await?;
+        engine.wait_on_drop = true;
+        Ok(engine)
+    }
+
+    /// The engine behind `kvx decode` too: any peer settings (staging, a drain's stop), the
+    /// data-plane name `name`. Dropped, it stops without waiting ([`DecodeEngine::close`]).
+    pub(super) async fn with_peer_config(
+        cfg: DecodeConfig,
+        mem: DecodeMemory,
+        name: &str,
+        bootstrap_tries: u32,
+        events: bool,
+    ) -> Result<DecodeEngine> {
+        let (peer, plane) = start_peer(cfg, mem.kv, mem.aux, name).await?;
         let (tx, rx) = std::sync::mpsc::channel();
         let inner = Arc::new(Inner {
             tasks: Mutex::new(vec![tokio::spawn(ticker(peer.clone()))]),
@@ -262,13 +285,42 @@ impl DecodeEngine {
             rt: tokio::runtime::Handle::current(),
             prefills: Mutex::new(HashMap::new()),
             rooms: Mutex::new(HashMap::new()),
-            events: cfg.events.then_some(tx),
-            bootstrap_tries: cfg.bootstrap_tries,
+            events: events.then_some(tx),
+            bootstrap_tries,
         });
         Ok(DecodeEngine {
             inner,
-            events: Mutex::new(cfg.events.then_some(rx)),
+            events: Mutex::new(events.then_some(rx)),
+            wait_on_drop: false,
         })
+    }
+
+    /// The peer the engine drives rooms with.
+    pub(super) fn peer(&self) -> &Arc<Peer> {
+        &self.inner.peer
+    }
+
+    /// Resolves the prefill instance at `addr` through `client` now (as the first room would).
+    pub(super) async fn resolve(
+        &self,
+        addr: &str,
+        client: &BootstrapClient,
+    ) -> Result<Arc<Topology>> {
+        self.inner.topology(addr, client).await
+    }
+
+    /// Stops at once, without failing rooms or waiting for tasks to let go of the memory
+    /// (`kvx decode` owns its memory and ends with the process).
+    pub(super) fn close(&self) {
+        let inner = &self.inner;
+        if inner.peer.stop.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        for t in lock(&inner.tasks).drain(..) {
+            t.abort();
+        }
+        drop(lock(&inner.plane).take());
+        lock(&inner.rooms).clear();
     }
 
     /// The data-plane session id the prefill writes to (`ip:port`).
@@ -402,7 +454,11 @@ impl DecodeEngine {
 
 impl Drop for DecodeEngine {
     fn drop(&mut self) {
-        self.shutdown();
+        if self.wait_on_drop {
+            self.shutdown();
+        } else {
+            self.close();
+        }
     }
 }
 
