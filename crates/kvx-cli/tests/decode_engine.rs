@@ -279,3 +279,29 @@ fn dropping_a_handle_mid_room_aborts_it_and_releases_after_the_ack() {
     prefill.engine.shutdown();
     drop(owned);
 }
+
+#[test]
+fn an_unreachable_prefill_fails_the_room_and_releases_its_pages_at_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, POOL);
+    let mut owned = Owned::new(&layout);
+    let cfg = DecodeEngineConfig {
+        bootstrap_tries: 1,
+        ..DecodeEngineConfig::new(layout.clone())
+    };
+    let engine = DecodeEngine::start(cfg, owned.memory(), rt.handle().clone()).unwrap();
+    let addr = format!("127.0.0.1:{}", common::free_port());
+    let room = Room::new(77).unwrap();
+    assert!(engine.open_room(room, "no-port", vec![1], 0).is_err());
+    let h = engine.open_room(room, &addr, vec![1, 2], 0).unwrap();
+    let (status, reason) = rt.block_on(h.wait());
+    assert_eq!(status, KVPoll::Failed);
+    assert!(reason.unwrap().contains("unreachable"));
+    // Nothing was sent for the room: its pages come back without waiting for anything.
+    assert!(!rt.block_on(h.wait_released()));
+    drop(h);
+    assert_eq!(engine.live_rooms(), 0);
+    engine.shutdown();
+    drop(engine);
+    drop(owned);
+}

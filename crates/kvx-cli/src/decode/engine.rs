@@ -468,7 +468,7 @@ impl RoomHandle {
         self.room
     }
 
-    /// The room's status (see [`DecodeEngine::poll`]).
+    /// The room's status (see [`DecodeEngine::poll`]; `Failed` once the engine shut down).
     pub fn poll(&self) -> KVPoll {
         self.inner.poll(self.room).unwrap_or(KVPoll::Failed)
     }
