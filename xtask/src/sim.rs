@@ -8,7 +8,13 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 4] = ["late-write", "early-ack", "lost-status", "leak"];
+pub const MUTANTS: [&str; 5] = [
+    "late-write",
+    "early-ack",
+    "lost-status",
+    "leak",
+    "any-instance",
+];
 
 /// Options of `cargo xtask sim`.
 #[derive(clap::Args, Debug, Default)]

@@ -52,8 +52,24 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// A decode rank's transfer-engine session id, `"{ip}:{port}"` (`"[v6]:port"` for IPv6). Opaque
-/// to kvx except for the port suffix, which sglang uses for queue sharding.
+/// Separates a session id's address from the process instance it names (see [`split_instance`]).
+pub const INSTANCE_SEPARATOR: char = '#';
+
+/// Splits a session id into its address and the process instance it names, if any:
+/// `"10.0.0.2:17000#5f0c…"` → (`"10.0.0.2:17000"`, `Some("5f0c…")`). A kvx listener names a
+/// fresh random instance in its endpoint, so that a sender that reaches the address after the
+/// process behind it restarted sees another instance and fails instead of writing pages the new
+/// process never offered. Mooncake TE session ids carry none (`"host:rpc_port"`).
+pub fn split_instance(id: &str) -> (&str, Option<&str>) {
+    match id.split_once(INSTANCE_SEPARATOR) {
+        Some((addr, inst)) => (addr, Some(inst)),
+        None => (id, None),
+    }
+}
+
+/// A decode rank's transfer-engine session id, `"{ip}:{port}"` (`"[v6]:port"` for IPv6),
+/// optionally followed by `#instance` (kvx's own listeners, see [`split_instance`]). Opaque to
+/// kvx except for the port, which sglang uses for queue sharding.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionId(pub String);
 
@@ -68,9 +84,21 @@ impl SessionId {
         &self.0
     }
 
-    /// The integer after the last `:` (the transfer-engine RPC port), if any.
+    /// The address part (without the `#instance` suffix).
+    pub fn address(&self) -> &str {
+        split_instance(&self.0).0
+    }
+
+    /// The process instance the id names, if any.
+    pub fn instance(&self) -> Option<&str> {
+        split_instance(&self.0).1
+    }
+
+    /// The integer after the address's last `:` (the transfer-engine RPC port), if any.
     pub fn port(&self) -> Option<u64> {
-        self.0.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
+        self.address()
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
     }
 }
 
@@ -212,6 +240,11 @@ mod tests {
         );
         assert_eq!(SessionId::new("[fe80::1]:15234").port(), Some(15234));
         assert_eq!(SessionId::new("nocolon").port(), None);
+        let named = SessionId::new("10.0.0.2:17000#00ff00ff00ff00ff");
+        assert_eq!(named.port(), Some(17000));
+        assert_eq!(named.address(), "10.0.0.2:17000");
+        assert_eq!(named.instance(), Some("00ff00ff00ff00ff"));
+        assert_eq!(SessionId::new("[fe80::1]:15234").instance(), None);
         let sessions = [
             SessionId::new("10.0.0.2:15234"),
             SessionId::new("[fe80::1]:15235"),

@@ -71,10 +71,14 @@ impl AutoTransport {
         })
     }
 
-    /// What `peer` speaks: remembered, else found out with one metadata request.
+    /// What `peer` speaks: remembered, else found out with one metadata request. A session id
+    /// naming a process instance (`host:port#instance`) is a kvx listener's: tcp, no probe.
     pub async fn peer_kind(&self, peer: &str) -> Result<PeerKind, TransportError> {
         if let Some(k) = lock(&self.kinds).get(peer).copied() {
             return Ok(k);
+        }
+        if kvx_core::peer::split_instance(peer).1.is_some() {
+            return Ok(PeerKind::Tcp);
         }
         let kind = match mooncake::fetch_descriptor(peer, self.probe_timeout).await {
             Ok(_) => PeerKind::Mooncake,

@@ -141,6 +141,18 @@ pub enum TransportError {
         /// The message.
         detail: String,
     },
+    /// The address answered, but as another process instance than the session id names: the
+    /// peer restarted since it published the id, and its memory is not the memory the id's
+    /// owner offered. Nothing was written.
+    #[error(
+        "peer {peer} restarted: it is instance {found:?} now, not the one its session id names"
+    )]
+    PeerRestarted {
+        /// The session id as given (with the instance it names).
+        peer: String,
+        /// The instance the address answers as now (empty when it names none).
+        found: String,
+    },
     /// The transport or session was shut down.
     #[error("transport closed")]
     Closed,
@@ -170,6 +182,7 @@ impl TransportError {
             TransportError::Registration { .. } => "registration",
             TransportError::Timeout { .. } => "timeout",
             TransportError::PeerLost { .. } => "peer_lost",
+            TransportError::PeerRestarted { .. } => "peer_restarted",
             TransportError::Io { .. } => "io",
             TransportError::Closed => "closed",
             TransportError::WrongProtocol { .. } => "wrong_protocol",
@@ -185,6 +198,7 @@ impl TransportError {
                 | TransportError::Handshake { .. }
                 | TransportError::Timeout { .. }
                 | TransportError::PeerLost { .. }
+                | TransportError::PeerRestarted { .. }
                 | TransportError::Closed
                 | TransportError::WrongProtocol { .. }
         )

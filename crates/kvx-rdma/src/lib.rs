@@ -60,6 +60,7 @@ pub mod auto;
 mod batch;
 mod conn_limit;
 pub mod error;
+pub mod instance;
 pub mod local;
 pub mod mem;
 pub mod mooncake;

@@ -130,7 +130,9 @@ async fn tcp_hello_flood_keeps_threads_bounded_and_serves_a_good_client() {
         .unwrap();
     dst.register(&*server);
     let base = threads();
-    let addr: SocketAddr = server.endpoint().parse().unwrap();
+    let addr: SocketAddr = kvx_rdma::instance::address(&server.endpoint())
+        .parse()
+        .unwrap();
     let flood = tokio::task::spawn_blocking(move || tcp_hello_flood(addr, FLOOD))
         .await
         .unwrap();
@@ -243,7 +245,7 @@ async fn mooncake_handshake_port_flood_keeps_threads_bounded_and_serves_a_good_c
 /// Sends a raw hello with `desc_len` and `secret`; returns the reply's status, or `None` when
 /// the server closed without replying.
 fn raw_hello(endpoint: &str, desc_len: u32, secret: &[u8]) -> Option<u16> {
-    let mut s = StdStream::connect(endpoint).unwrap();
+    let mut s = StdStream::connect(kvx_rdma::instance::address(endpoint)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Hello {
         version: wire::VERSION,
@@ -275,7 +277,7 @@ async fn oversized_hellos_are_closed_without_reply() {
         // A descriptor above the 64 KiB a sender's hello may carry: closed before it is read.
         assert_eq!(raw_hello(&ep2, wire::MAX_SENDER_DESC_LEN + 1, &[]), None);
         // A secret longer than any secret: closed.
-        let mut s = StdStream::connect(&ep2).unwrap();
+        let mut s = StdStream::connect(kvx_rdma::instance::address(&ep2)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let h = Hello {
             version: wire::VERSION,

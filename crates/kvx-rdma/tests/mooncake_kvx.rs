@@ -237,9 +237,12 @@ async fn fetch_descriptor_tells_other_protocols_apart_quickly() {
         .await
         .unwrap();
     let t0 = Instant::now();
-    let err = fetch_descriptor(&tcp.endpoint(), Duration::from_secs(10))
-        .await
-        .unwrap_err();
+    let err = fetch_descriptor(
+        kvx_rdma::instance::address(&tcp.endpoint()),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, TransportError::WrongProtocol { .. }), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
 

@@ -163,7 +163,7 @@ async fn unregistered_ranges_fail_before_sending() {
 
 /// Handshakes a raw blocking socket; returns it and the server's descriptor.
 fn raw_connect(endpoint: &str) -> (StdStream, SegmentDescriptor) {
-    let mut s = StdStream::connect(endpoint).unwrap();
+    let mut s = StdStream::connect(kvx_rdma::instance::address(endpoint)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Hello {
         version: wire::VERSION,
@@ -338,11 +338,11 @@ async fn adversarial_client_is_rejected_and_server_lives_on() {
         drop(s);
 
         // Bad magic, and a hello claiming a huge descriptor.
-        let mut s = StdStream::connect(&ep2).unwrap();
+        let mut s = StdStream::connect(kvx_rdma::instance::address(&ep2)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         assert_closed(&mut s);
-        let mut s = StdStream::connect(&ep2).unwrap();
+        let mut s = StdStream::connect(kvx_rdma::instance::address(&ep2)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut h = Hello {
             version: 1,
@@ -830,4 +830,51 @@ async fn lost_connection_fails_its_batch_only_once_the_other_windows_are_settled
         "the rest of the failed batch must be cancelled ({got} bytes sent)"
     );
     assert!(!session.is_alive());
+}
+
+/// A decode that restarts on the same address is another instance: a sender holding the session
+/// id the old process published is refused at the handshake (a peer failure, nothing written),
+/// while the id the new process publishes works, and an id naming no instance accepts either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_listener_on_the_same_address_refuses_the_old_session_id() {
+    let mut old_dst = Buf::zeroed(1 << 16);
+    let mut new_dst = Buf::zeroed(1 << 16);
+    let mut src = Buf::pattern(1 << 16, 7);
+    let old = TcpTransport::bind("127.0.0.1:0", TcpConfig::default())
+        .await
+        .unwrap();
+    old_dst.register(&*old);
+    let old_id = old.endpoint();
+    let addr = kvx_rdma::instance::address(&old_id).to_owned();
+    assert_ne!(old_id, addr, "a listener names its instance");
+    old.shutdown().await;
+    drop(old);
+    let new = TcpTransport::bind(&addr, TcpConfig::default())
+        .await
+        .unwrap();
+    new_dst.register(&*new);
+    let new_id = new.endpoint();
+    assert_eq!(kvx_rdma::instance::address(&new_id), addr);
+    assert_ne!(new_id, old_id);
+
+    let client = TcpTransport::client(TcpConfig::default());
+    src.register(&*client);
+    let err = client
+        .open_session(&old_id)
+        .await
+        .err()
+        .expect("the old instance's id is refused");
+    assert!(matches!(err, TransportError::PeerRestarted { .. }), "{err}");
+    assert!(err.is_peer_failure());
+
+    // Same region offsets in the new process: only its own id writes there.
+    let op = TransferOp::new(src.addr(), new_dst.addr() + 64, 512);
+    let s = client.connect(&new_id).await.unwrap();
+    s.write_batch(vec![op]).await.unwrap();
+    assert_eq!(&new_dst.0[64..576], &src.0[..512]);
+    let bare = client.connect(&addr).await.unwrap();
+    bare.write_batch(vec![TransferOp::new(src.addr(), new_dst.addr() + 4096, 8)])
+        .await
+        .unwrap();
+    assert!(old_dst.0.iter().all(|&b| b == 0));
 }

@@ -66,7 +66,7 @@ const FIRST: usize = 256 << 10;
 /// A raw sender that handshakes, then starts one write of `LEN` bytes into `buf` and sends
 /// only its first `FIRST` bytes (0xAB), stalling inside the payload.
 async fn stalled_writer(endpoint: &str, key: RegionKey, buf: &Shared) -> StdStream {
-    let mut s = StdStream::connect(endpoint).unwrap();
+    let mut s = StdStream::connect(kvx_rdma::instance::address(endpoint)).unwrap();
     let hello = Hello {
         version: wire::VERSION,
         status: 0,

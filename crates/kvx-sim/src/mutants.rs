@@ -2,7 +2,8 @@
 //! nothing, so every mutant here must produce a violation within the default step budget.
 //!
 //! `late-write` breaks the simulated transport (a failed batch is answered while some of its
-//! windows are still in flight); the others arm kvx-core's test-only hook (feature
+//! windows are still in flight) and `any-instance` its handshake (a session id naming a process
+//! instance reaches whatever process now listens at its address); the others arm kvx-core's test-only hook (feature
 //! `sim-mutants`, enabled by this crate's `mutants` feature) inside the real `PrefillManager`.
 
 /// A deliberately broken rule.
@@ -16,15 +17,19 @@ pub enum Mutant {
     LostStatus,
     /// The prefill manager keeps one room's entry after it concluded.
     Leak,
+    /// The transport writes to whatever process listens at a session id's address, ignoring
+    /// the instance the id names (a decode that restarted there gets the old rooms' chunks).
+    AnyInstance,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 4] = [
+    pub const ALL: [Mutant; 5] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
         Mutant::Leak,
+        Mutant::AnyInstance,
     ];
 
     /// The command-line name.
@@ -34,6 +39,7 @@ impl Mutant {
             Mutant::EarlyAck => "early-ack",
             Mutant::LostStatus => "lost-status",
             Mutant::Leak => "leak",
+            Mutant::AnyInstance => "any-instance",
         }
     }
 
@@ -44,7 +50,7 @@ impl Mutant {
 
     /// True when the mutant lives in kvx-core (needs the `mutants` feature).
     pub fn in_core(self) -> bool {
-        !matches!(self, Mutant::LateWrite)
+        !matches!(self, Mutant::LateWrite | Mutant::AnyInstance)
     }
 
     /// The kvx-core hook for this mutant, when it is one and the feature is on.
@@ -52,7 +58,7 @@ impl Mutant {
     pub fn core(self) -> Option<kvx_core::prefill::mutant::SimMutant> {
         use kvx_core::prefill::mutant::SimMutant;
         match self {
-            Mutant::LateWrite => None,
+            Mutant::LateWrite | Mutant::AnyInstance => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),

@@ -92,7 +92,7 @@ impl Scenario {
             reject_ppm: f(rng, 5_000),
             late_write: false,
         };
-        Scenario {
+        let mut sc = Scenario {
             prefill_tp,
             decode_tp,
             rooms: rng.range(10, 120) as u32,
@@ -113,7 +113,16 @@ impl Scenario {
             failed_session_ttl: rng.range(100 * MS, 2 * SEC),
             release_timeout: 8 * SEC,
             decode_tick: 200 * MS,
+        };
+        // One faulty seed in six is a restart storm: decodes crash and come back often while
+        // many control messages crawl, so metadata sent by one incarnation keeps reaching
+        // prefill ranks after the next one started (the ordering that needs the data plane to
+        // refuse a restarted peer, which ordinary rates reach about once per 30,000 seeds).
+        if faulty && rng.below(6) == 0 {
+            sc.decode_crash_ppm = rng.range(50_000, 200_000) as u32;
+            sc.net.slow_ppm = rng.range(100_000, 300_000) as u32;
         }
+        sc
     }
 
     /// A room must be terminal on every rank this long after it was spawned.

@@ -5,13 +5,17 @@ use kvx_sim::invariants::Inv;
 use kvx_sim::mutants::Mutant;
 use kvx_sim::run_seed;
 
+/// 28158 (the long profile, before restart storms were drawn): metadata a decode sent before it
+/// crashed reached a prefill rank after the decode restarted on the same address, and that
+/// rank's first chunk for the room went to the new process (kvx-rdma: listeners name their
+/// process instance in the session id and a handshake with another instance is refused).
 /// 65: a decode restarted under the same session id, and a later chunk of a room of its first
 /// incarnation was written into the new process (kvx-core: a re-registration now fails the
 /// session's open rooms). 9, 51, 134: model fixes (decode aborts hit every TP rank; metadata
 /// reaching a rank that already failed the room is answered by the decode's timeout only).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
-    for seed in [9, 51, 65, 134] {
+    for seed in [9, 51, 65, 134, 28158] {
         let out = run_seed(seed, None);
         assert!(
             out.violations.is_empty(),
@@ -37,6 +41,11 @@ fn caught(m: Mutant, inv: Inv) {
 #[test]
 fn late_write_is_caught() {
     caught(Mutant::LateWrite, Inv::NoWriteAfterStatus);
+}
+
+#[test]
+fn any_instance_is_caught() {
+    caught(Mutant::AnyInstance, Inv::WriteInOwnedPage);
 }
 
 #[cfg(feature = "mutants")]

@@ -28,6 +28,7 @@ pub use client::TcpSession;
 
 use crate::conn_limit::ConnLimit;
 use crate::error::TransportError;
+use crate::instance;
 use crate::mem::RegionTable;
 use crate::segment::{RegionKey, SegmentDescriptor};
 use crate::session_cache::SessionCache;
@@ -166,7 +167,10 @@ impl TcpTransport {
     pub async fn bind(addr: &str, cfg: TcpConfig) -> Result<Arc<Self>, TransportError> {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
-        let endpoint = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+        // The endpoint names this listener's instance: a sender holding an id published before
+        // a restart on the same address is refused at the handshake (`crate::instance`).
+        let addr = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+        let endpoint = instance::name(instance::address(&addr), &instance::fresh());
         let table = Arc::new(RegionTable::new());
         let ctx = Arc::new(server::ServerCtx {
             table: table.clone(),
@@ -295,7 +299,9 @@ async fn connect_one(
         peer: peer.to_owned(),
         detail,
     };
-    let stream = TcpStream::connect(peer).await.map_err(unreachable)?;
+    let stream = TcpStream::connect(instance::address(peer))
+        .await
+        .map_err(unreachable)?;
     stream.set_nodelay(true).map_err(unreachable)?;
     let sock = socket2::SockRef::from(&stream);
     let ka = socket2::TcpKeepalive::new()
@@ -340,6 +346,7 @@ async fn connect_one(
         .await
         .map_err(|e| hs(format!("reading descriptor: {e}")))?;
     let d = SegmentDescriptor::decode(&desc).map_err(|e| hs(e.to_string()))?;
+    instance::check(peer, &d.endpoint)?;
     tracing::debug!(%peer, regions = d.regions.len(), "tcp handshake done");
     Ok((stream, d))
 }

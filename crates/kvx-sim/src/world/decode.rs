@@ -21,7 +21,7 @@ impl World {
         let n = &self.decodes[d as usize];
         DecodeRegistration {
             endpoint: decode_endpoint(d),
-            session: decode_session(d),
+            session: decode_session(d, n.inc),
             kv_ptrs: n.mem.kv_ptrs(),
             aux_ptrs: n.mem.aux_ptrs(),
             state_ptrs: Vec::new(),
@@ -255,7 +255,7 @@ impl World {
             let req = TransferRequest {
                 room,
                 endpoint: decode_endpoint(d),
-                session: decode_session(d),
+                session: decode_session(d, self.decodes[d as usize].inc),
                 dst: (!t.dummy).then(|| Destination {
                     kv_pages: got.iter().map(|&p| p as i32).collect(),
                     aux_index: row as i64,

@@ -249,7 +249,6 @@ pub struct World {
     pub check: Checker,
     /// Steps taken.
     pub steps: u64,
-    #[cfg_attr(not(feature = "mutants"), allow(dead_code))]
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
     pub(crate) pacts: Vec<PrefillAction>,
@@ -266,9 +265,18 @@ pub fn decode_endpoint(d: u32) -> Endpoint {
     Endpoint::new(format!("10.1.0.{}", d + 1), 17000 + d as u16)
 }
 
-/// Decode rank `d`'s data-plane session id (the same across restarts).
-pub fn decode_session(d: u32) -> SessionId {
-    SessionId::new(format!("10.1.0.{}:{}", d + 1, 18000 + d))
+/// Decode rank `d`'s data-plane session id in incarnation `inc`: the same address across
+/// restarts, naming the incarnation as kvx's listeners name their process instance
+/// (`host:port#instance`, `kvx_core::peer::split_instance`).
+pub fn decode_session(d: u32, inc: u32) -> SessionId {
+    SessionId::new(format!("10.1.0.{}:{}#{inc:016x}", d + 1, 18000 + d))
+}
+
+/// The decode rank and incarnation a session id names (`None` for an id no decode publishes).
+pub fn session_decode(session: &SessionId, decodes: u32) -> Option<(u32, u32)> {
+    let d = (0..decodes).find(|&d| decode_session(d, 0).address() == session.address())?;
+    let inc = u32::from_str_radix(session.instance()?, 16).ok()?;
+    Some((d, inc))
 }
 
 impl World {

@@ -110,11 +110,24 @@ impl World {
                 ops,
                 ..
             } => {
-                let d = (0..self.sc.decode_tp)
-                    .find(|&d| super::decode_session(d) == session)
+                let (d, named) = super::session_decode(&session, self.sc.decode_tp)
                     .expect("sessions are the decodes'");
                 let p_inc = self.prefills[p as usize].inc;
                 let d_inc = self.decodes[d as usize].inc;
+                if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
+                    // The data plane's handshake: the address answers as another instance than
+                    // the one the session id names (`TransportError::PeerRestarted`).
+                    self.answer_later(Answer {
+                        p,
+                        p_inc,
+                        room,
+                        id: batch_id,
+                        result: BatchResult::Lost(format!(
+                            "peer {session} restarted: it is instance {d_inc:016x} now"
+                        )),
+                    });
+                    return;
+                }
                 let mut sched = Vec::new();
                 let answer = self.data.post(
                     &mut self.rng,
