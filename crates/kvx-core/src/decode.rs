@@ -14,7 +14,7 @@
 //! its `ABORT_ACK` and without which it sends no ACK at all; towards sglang main the `ABORT` keeps
 //! its 4 frames.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::peer::Endpoint;
@@ -163,6 +163,8 @@ struct DecodeRoom {
     endpoints: Vec<Endpoint>,
     generational_aborts: bool,
     waiting_since: Option<Instant>,
+    /// When the room times out in `WaitingForInput` (its entry in `deadlines`).
+    deadline: Option<Instant>,
 }
 
 /// The decode side's room manager.
@@ -171,6 +173,8 @@ pub struct DecodeManager {
     cfg: DecodeConfig,
     rooms: HashMap<Room, DecodeRoom>,
     by_addr: HashMap<String, HashSet<Room>>,
+    /// Waiting deadlines, earliest first: a tick looks only at the rooms that are due.
+    deadlines: BTreeSet<(Instant, Room)>,
     /// The last abort generation handed out (sglang starts at 1).
     last_generation: u64,
 }
@@ -182,6 +186,7 @@ impl DecodeManager {
             cfg,
             rooms: HashMap::new(),
             by_addr: HashMap::new(),
+            deadlines: BTreeSet::new(),
             last_generation: 0,
         }
     }
@@ -191,9 +196,19 @@ impl DecodeManager {
         self.rooms.get(&room).map(|r| r.status)
     }
 
-    /// Live per-room entries: rooms held plus entries of the bootstrap-address index.
+    /// Live per-room entries: rooms held plus entries of the bootstrap-address index and of
+    /// the deadline queue.
     pub fn live_entries(&self) -> usize {
-        self.rooms.len() + self.by_addr.values().map(HashSet::len).sum::<usize>()
+        self.rooms.len()
+            + self.by_addr.values().map(HashSet::len).sum::<usize>()
+            + self.deadlines.len()
+    }
+
+    /// When the next [`DecodeEvent::Tick`] has something to do (the earliest waiting
+    /// deadline), or `None` while no room waits. A driver sleeps until then (or until its next
+    /// event) instead of ticking on a fixed period.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadlines.first().map(|(at, _)| *at)
     }
 
     /// Feeds one event; appends actions to `out`. `Err` means dropped without a state change.
@@ -225,6 +240,7 @@ impl DecodeManager {
                         endpoints: Vec::new(),
                         generational_aborts: false,
                         waiting_since: None,
+                        deadline: None,
                     },
                 );
             }
@@ -239,10 +255,31 @@ impl DecodeManager {
                 r.endpoints = prefill_endpoints;
                 r.generational_aborts = generational_aborts;
                 r.status = r.status.update(KVPoll::WaitingForInput);
+                // A deadline that passed while the room was still bootstrapping.
+                let overdue = match (r.deadline, r.waiting_since) {
+                    (Some(at), Some(since))
+                        if at <= now && !self.deadlines.contains(&(at, room)) =>
+                    {
+                        Some(now.saturating_duration_since(since))
+                    }
+                    _ => None,
+                };
                 self.maybe_succeed(room, out);
+                if let Some(elapsed) = overdue
+                    && self.rooms.contains_key(&room)
+                {
+                    self.fail(room, DecodeFailure::WaitingTimeout { elapsed }, true, out);
+                }
             }
             DecodeEvent::MetadataSent { room } => {
-                self.get(room)?.waiting_since = Some(now);
+                let at = now + self.cfg.waiting_timeout;
+                let r = self.get(room)?;
+                let old = r.deadline.replace(at);
+                r.waiting_since = Some(now);
+                if let Some(old) = old {
+                    self.deadlines.remove(&(old, room));
+                }
+                self.deadlines.insert((at, room));
             }
             DecodeEvent::Status {
                 room,
@@ -289,21 +326,22 @@ impl DecodeManager {
                 self.fail(room, DecodeFailure::Aborted, true, out);
             }
             DecodeEvent::Tick => {
-                let timeout = self.cfg.waiting_timeout;
-                let late: Vec<(Room, Duration)> = self
-                    .rooms
-                    .iter()
-                    .filter(|(_, r)| r.status == KVPoll::WaitingForInput)
-                    .filter_map(|(&room, r)| {
-                        let elapsed = now.saturating_duration_since(r.waiting_since?);
-                        (elapsed >= timeout).then_some((room, elapsed))
-                    })
-                    .collect();
-                // Room order, not hash order: abort generations are handed out in this order.
-                let mut late = late;
-                late.sort_unstable_by_key(|(room, _)| *room);
-                for (room, elapsed) in late {
-                    self.fail(room, DecodeFailure::WaitingTimeout { elapsed }, true, out);
+                // Due rooms in (deadline, room) order: abort generations are handed out in
+                // this order, the same for the same inputs.
+                while let Some(&(at, room)) = self.deadlines.first()
+                    && at <= now
+                {
+                    self.deadlines.pop_first();
+                    let Some(r) = self.rooms.get(&room) else {
+                        continue;
+                    };
+                    // Still bootstrapping: it fails when `Init` makes it wait (see there).
+                    if r.status == KVPoll::WaitingForInput {
+                        let elapsed = r
+                            .waiting_since
+                            .map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
+                        self.fail(room, DecodeFailure::WaitingTimeout { elapsed }, true, out);
+                    }
                 }
             }
         }
@@ -358,6 +396,9 @@ impl DecodeManager {
         let Some(r) = self.rooms.remove(&room) else {
             return;
         };
+        if let Some(at) = r.deadline {
+            self.deadlines.remove(&(at, room));
+        }
         if let Some(set) = self.by_addr.get_mut(&r.bootstrap_addr) {
             set.remove(&room);
             if set.is_empty() {
@@ -452,6 +493,95 @@ mod tests {
             m.handle(now, status(r, KVPoll::Failed, 1), &mut out),
             Err(DecodeError::UnknownRoom(r))
         );
+    }
+
+    #[test]
+    fn ticks_look_only_at_due_deadlines() {
+        let t0 = Instant::now();
+        let cfg = DecodeConfig {
+            waiting_timeout: Duration::from_secs(10),
+            ..DecodeConfig::default()
+        };
+        let mut m = DecodeManager::new(cfg);
+        assert_eq!(m.poll_timeout(), None);
+        let (a, b) = (room(1), room(2));
+        setup(&mut m, t0 + Duration::from_secs(3), b, 1);
+        setup(&mut m, t0, a, 1);
+        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(10)));
+        let mut out = Vec::new();
+        m.handle(t0 + Duration::from_secs(9), DecodeEvent::Tick, &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        // Metadata sent again re-arms the room's one deadline.
+        m.handle(
+            t0 + Duration::from_secs(5),
+            DecodeEvent::MetadataSent { room: a },
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(13)));
+        m.handle(t0 + Duration::from_secs(13), DecodeEvent::Tick, &mut out)
+            .unwrap();
+        let failed: Vec<Room> = out
+            .iter()
+            .filter_map(|a| match a {
+                DecodeAction::Concluded { room, .. } => Some(*room),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(failed, vec![b]);
+        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(15)));
+        // Success drops the deadline with the room.
+        m.handle(t0, status(a, KVPoll::Success, 0), &mut out)
+            .unwrap();
+        assert_eq!(m.poll_timeout(), None);
+        assert_eq!(m.live_entries(), 0);
+    }
+
+    #[test]
+    fn a_deadline_passed_while_bootstrapping_fails_the_room_once_it_waits() {
+        let t0 = Instant::now();
+        let mut m = DecodeManager::new(DecodeConfig {
+            waiting_timeout: Duration::from_secs(1),
+            ..DecodeConfig::default()
+        });
+        let r = room(4);
+        let mut out = Vec::new();
+        m.handle(
+            t0,
+            DecodeEvent::Created {
+                room: r,
+                bootstrap_addr: "10.0.0.1:8998".into(),
+            },
+            &mut out,
+        )
+        .unwrap();
+        m.handle(t0, DecodeEvent::MetadataSent { room: r }, &mut out)
+            .unwrap();
+        m.handle(t0 + Duration::from_secs(2), DecodeEvent::Tick, &mut out)
+            .unwrap();
+        assert!(out.is_empty(), "still bootstrapping");
+        assert_eq!(m.poll_timeout(), None);
+        m.handle(
+            t0 + Duration::from_secs(3),
+            DecodeEvent::Init {
+                room: r,
+                required_prefill_response_num: 1,
+                prefill_endpoints: vec![ep(1)],
+                generational_aborts: false,
+            },
+            &mut out,
+        )
+        .unwrap();
+        assert!(matches!(
+            out.last(),
+            Some(DecodeAction::Concluded {
+                status: KVPoll::Failed,
+                reason: Some(DecodeFailure::WaitingTimeout { .. }),
+                ..
+            })
+        ));
+        assert_eq!(m.live_entries(), 0);
     }
 
     #[test]

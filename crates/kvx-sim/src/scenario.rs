@@ -51,8 +51,8 @@ pub struct Scenario {
     pub failed_session_ttl: Nanos,
     /// How long a failed decode room keeps its pages without every prefill's word.
     pub release_timeout: Nanos,
-    /// Decode manager tick period.
-    pub decode_tick: Nanos,
+    /// Slack beyond the timeouts before a room must be terminal (message delays).
+    pub slack: Nanos,
 }
 
 impl Scenario {
@@ -112,7 +112,7 @@ impl Scenario {
             waiting_timeout: 6 * SEC,
             failed_session_ttl: rng.range(100 * MS, 2 * SEC),
             release_timeout: 8 * SEC,
-            decode_tick: 200 * MS,
+            slack: 400 * MS,
         };
         // One faulty seed in six is a restart storm: decodes crash and come back often while
         // many control messages crawl, so metadata sent by one incarnation keeps reaching
@@ -127,6 +127,6 @@ impl Scenario {
 
     /// A room must be terminal on every rank this long after it was spawned.
     pub fn room_deadline(&self) -> Nanos {
-        self.bootstrap_timeout + self.waiting_timeout + self.release_timeout + 2 * self.decode_tick
+        self.bootstrap_timeout + self.waiting_timeout + self.release_timeout + self.slack
     }
 }

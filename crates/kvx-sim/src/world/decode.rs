@@ -64,6 +64,7 @@ impl World {
             self.decode_action(d, a);
         }
         self.dacts = out;
+        self.ensure_decode_tick(d);
     }
 
     /// Status monotonic on the decode side.
@@ -272,16 +273,23 @@ impl World {
             );
         }
         self.decode_event(d, DecodeEvent::MetadataSent { room });
-        self.ensure_decode_tick(d);
     }
 
+    /// Schedules a `Tick` at the manager's `poll_timeout()` unless one runs no later (kvx-cli's
+    /// decode engine sleeps until then, not on a fixed period).
     fn ensure_decode_tick(&mut self, d: u32) {
+        let now = self.clock.now();
         let n = &mut self.decodes[d as usize];
-        if !n.ticking && !n.down {
-            n.ticking = true;
+        if n.down {
+            return;
+        }
+        let Some(t) = n.mgr.poll_timeout().map(|t| self.clock.offset(t).max(now)) else {
+            return;
+        };
+        if n.tick_at.is_none_or(|at| t < at) {
+            n.tick_at = Some(t);
             let inc = n.inc;
-            let at = self.clock.now() + self.sc.decode_tick;
-            self.schedule(at, Ev::DecodeTick { d, inc });
+            self.schedule(t, Ev::DecodeTick { d, inc });
         }
     }
 
@@ -290,11 +298,10 @@ impl World {
         if n.inc != inc || n.down {
             return;
         }
-        n.ticking = false;
-        self.decode_event(d, DecodeEvent::Tick);
-        if self.decodes[d as usize].mgr.live_entries() > 0 {
-            self.ensure_decode_tick(d);
+        if n.tick_at.is_some_and(|at| at <= self.clock.now()) {
+            n.tick_at = None;
         }
+        self.decode_event(d, DecodeEvent::Tick);
     }
 
     pub(crate) fn decode_receive(&mut self, d: u32, msg: Msg) {
@@ -379,7 +386,7 @@ impl World {
         let n = &mut self.decodes[d as usize];
         n.inc += 1;
         n.down = true;
-        n.ticking = false;
+        n.tick_at = None;
         n.mgr = mgr;
         n.mem.wipe();
         n.reset_pools();

@@ -363,7 +363,7 @@ impl World {
                 rooms: BTreeMap::new(),
                 last_poll: BTreeMap::new(),
                 down: false,
-                ticking: false,
+                tick_at: None,
                 targets: m.targets,
                 required_dst: m.required_dst_info_num,
                 required_resp: m.required_prefill_response_num,

@@ -91,8 +91,8 @@ pub struct DecodeNode {
     pub last_poll: BTreeMap<Room, KVPoll>,
     /// The process is gone (until it restarts).
     pub down: bool,
-    /// A `Tick` is scheduled.
-    pub ticking: bool,
+    /// When the scheduled `Tick` runs (the manager's `poll_timeout()`), if one is.
+    pub tick_at: Option<Nanos>,
     /// Prefill ranks this decode rank talks to (spec §4.3).
     pub targets: Vec<PrefillTarget>,
     /// `required_dst_info_num` of its metadata.
