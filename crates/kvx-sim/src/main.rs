@@ -50,7 +50,10 @@ fn main() -> ExitCode {
     let (mut total, mut seeds) = (0u64, 0u64);
     let mut next = seed.unwrap_or(first);
     loop {
-        let out = run_seed(next, mutant);
+        let Ok(out) = std::panic::catch_unwind(|| run_seed(next, mutant)) else {
+            println!("seed {next}: the simulator itself panicked (replay with --seed {next})");
+            return ExitCode::FAILURE;
+        };
         total += out.steps;
         seeds += 1;
         for (c, n) in checks.iter_mut().zip(out.checks) {

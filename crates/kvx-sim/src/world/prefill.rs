@@ -307,12 +307,21 @@ impl World {
         }
         let pages = self.rooms.get(&room).map_or(0, |r| r.n);
         let n = &mut self.prefills[p as usize];
+        if n.free_rows.is_empty() || n.free_pages.len() < pages {
+            // Rooms spawned together outran the memory freed since: the scheduler queues the
+            // request until some frees.
+            let at = self.clock.now() + MS;
+            self.schedule(at, Ev::Open { p, inc, room });
+            return;
+        }
         let mut src = Vec::with_capacity(pages);
         for _ in 0..pages {
             let i = self.rng.below(n.free_pages.len() as u64) as usize;
             src.push(n.free_pages.swap_remove(i));
         }
-        let row = n.free_rows.pop().expect("the spawner checked the rows");
+        let Some(row) = n.free_rows.pop() else {
+            return;
+        };
         n.mem.aux_row(room, row, false);
         n.rooms.insert(room, super::PRoom { src, row });
         n.awaiting.insert(room);
