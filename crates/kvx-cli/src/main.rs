@@ -52,6 +52,10 @@ fn run(cmd: Command) -> Result<i32> {
         Command::Demo(a) => a.validate()?,
         _ => {}
     }
+    // A backend this host or build cannot run fails here, naming the flag.
+    if let Some((backend, rdma)) = cmd.backend() {
+        kvx_cli::plane::check_backend(backend, &rdma)?;
+    }
     match cmd {
         Command::Prefill(a) => prefill_cmd::run(a),
         Command::Decode(a) => run_decode(a),
@@ -94,6 +98,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         room_base: a.room_base,
         progress: !a.no_progress,
         backend: a.backend,
+        rdma: a.rdma.options(),
         staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
             ring_bytes: a.staging_ring_mib.saturating_mul(1 << 20),
             chunked_prefill_size: a.staging.chunked_prefill_size,
