@@ -1,7 +1,11 @@
 //! Command-line flags of the `kvx` binary; environment variables mirror sglang's knobs.
 //!
 //! Every flag that has an sglang counterpart reads the same environment variable
-//! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way.
+//! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way. Every
+//! flag can also come from a TOML file (`--config kvx.toml`, see [`file`]): command line >
+//! environment variable > file > default.
+
+pub mod file;
 
 use std::path::PathBuf;
 
@@ -15,6 +19,11 @@ use crate::validate::{self, ConfigError, HostPort};
 #[derive(Debug, Parser)]
 #[command(name = "kvx", version, about)]
 pub struct Cli {
+    /// Read flags from this TOML file (keys are long flags without `--`; global flags at the
+    /// top level, each subcommand's in its table: `[prefill]`, `[decode]`, …). The command line
+    /// and environment variables win over it.
+    #[arg(long, global = true, env = "KVX_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Log line format on stderr: `text` (colour only on a terminal) or `json` (one object per
     /// line).
     #[arg(
