@@ -1,7 +1,11 @@
 //! Command-line flags of the `kvx` binary; environment variables mirror sglang's knobs.
 //!
 //! Every flag that has an sglang counterpart reads the same environment variable
-//! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way.
+//! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way. Every
+//! flag can also come from a TOML file (`--config kvx.toml`, see [`file`]): command line >
+//! environment variable > file > default.
+
+pub mod file;
 
 use std::path::PathBuf;
 
@@ -15,6 +19,11 @@ use crate::validate::{self, ConfigError, HostPort};
 #[derive(Debug, Parser)]
 #[command(name = "kvx", version, about)]
 pub struct Cli {
+    /// Read flags from this TOML file (keys are long flags without `--`; global flags at the
+    /// top level, each subcommand's in its table: `[prefill]`, `[decode]`, …). The command line
+    /// and environment variables win over it.
+    #[arg(long, global = true, env = "KVX_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Log line format on stderr: `text` (colour only on a terminal) or `json` (one object per
     /// line).
     #[arg(
@@ -116,6 +125,47 @@ impl Default for LifecycleArgs {
     }
 }
 
+/// The RDMA device of `--backend verbs` (ignored by the other backends).
+#[derive(Clone, Debug, Args)]
+pub struct RdmaArgs {
+    /// RDMA device for `--backend verbs` (`mlx5_0`, `rxe0`; `ibv_devices` lists them); default:
+    /// the first device.
+    #[arg(long, env = "KVX_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
+    /// Physical port of the RDMA device (from 1).
+    #[arg(
+        long,
+        env = "KVX_RDMA_PORT",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u8).range(1..)
+    )]
+    pub rdma_port: u8,
+    /// GID index of the RDMA port (default: the first RoCE v2 GID, else 0).
+    #[arg(long, env = "KVX_RDMA_GID_INDEX")]
+    pub rdma_gid_index: Option<u32>,
+}
+
+impl Default for RdmaArgs {
+    fn default() -> Self {
+        RdmaArgs {
+            rdma_device: None,
+            rdma_port: 1,
+            rdma_gid_index: None,
+        }
+    }
+}
+
+impl RdmaArgs {
+    /// The data plane's form of these flags.
+    pub fn options(&self) -> crate::plane::RdmaOptions {
+        crate::plane::RdmaOptions {
+            device: self.rdma_device.clone().filter(|d| !d.is_empty()),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+        }
+    }
+}
+
 /// Staging for heterogeneous attention TP (spec §6): both sides must agree on the grid.
 #[derive(Clone, Debug, Args)]
 pub struct StagingArgs {
@@ -187,9 +237,13 @@ pub struct PrefillArgs {
     pub restart_workers: bool,
     /// Data-plane backend: `auto` (per decode session: Mooncake TE's protocol for an sglang
     /// decode, kvx's tcp for a kvx decode, decided from what the session's port answers),
-    /// `tcp` or `mooncake` to force one.
+    /// `tcp` or `mooncake` to force one, `verbs` (RDMA, a kvx decode with `--backend verbs`),
+    /// `shm` (a kvx decode with `--backend shm` on this host, through /dev/shm).
     #[arg(long, default_value = "auto", value_parser = sending_backend)]
     pub backend: crate::plane::Backend,
+    /// RDMA device (with `--backend verbs`).
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Data-plane connections per decode session.
     #[arg(long, default_value_t = 2, value_parser = validate::count)]
     pub connections: usize,
@@ -227,10 +281,15 @@ pub struct DecodeArgs {
     /// Host this decode binds its ZMQ inbox and data plane on and advertises.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Data-plane backend: `tcp` (kvx's protocol), or `mooncake` (a Mooncake-TE-compatible
-    /// target, so that an unmodified sglang prefill writes into this decode).
+    /// Data-plane backend: `tcp` (kvx's protocol), `mooncake` (a Mooncake-TE-compatible
+    /// target, so that an unmodified sglang prefill writes into this decode), `verbs` (RDMA
+    /// WRITE from a kvx prefill with `--backend verbs`), `shm` (pages in /dev/shm files a kvx
+    /// prefill on this host with `--backend shm` copies into).
     #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
     pub backend: crate::plane::Backend,
+    /// RDMA device (with `--backend verbs`).
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Requests (rooms) to run.
     #[arg(long, default_value_t = 32, value_parser = validate::count)]
     pub requests: usize,
@@ -388,9 +447,12 @@ pub struct DemoArgs {
     /// Data-plane backend: `tcp`, `mooncake` (the decodes are Mooncake-TE-compatible targets,
     /// the prefills write with the Mooncake TE protocol), `auto` (the prefills decide per
     /// session; the decodes serve kvx's tcp), `local` (memcpy between the two sides of this
-    /// process).
+    /// process), `shm` (as `local`, the decodes' pages in /dev/shm files), `verbs` (RDMA).
     #[arg(long, value_enum, default_value = "tcp")]
     pub backend: crate::plane::Backend,
+    /// RDMA device (with `--backend verbs`).
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Decode attention-TP size (default: `--tp-size`); all prefill and decode ranks run in
     /// this process.
     #[arg(long, value_parser = validate::count_u32)]
@@ -436,9 +498,14 @@ pub struct SendArgs {
     #[arg(long, default_value_t = 4096, value_parser = validate::count_u64)]
     pub total_mib: u64,
     /// Data-plane backend: `tcp` (a `kvx recv` peer), `mooncake` (a Mooncake TE target or
-    /// `kvx recv --backend mooncake`; `--to` is its session id), or `auto`.
+    /// `kvx recv --backend mooncake`; `--to` is its session id), `auto`, `verbs` (a `kvx recv
+    /// --backend verbs`), or `shm` (a `kvx recv --backend shm` on this host; `--to` is
+    /// `local:<name>`, or `host:port` for the name `kvx-link-<port>`).
     #[arg(long, default_value = "tcp", value_parser = sending_backend)]
     pub backend: crate::plane::Backend,
+    /// RDMA device (with `--backend verbs`).
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Never draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -453,33 +520,59 @@ pub struct RecvArgs {
     /// Bytes of the receive region (writes land at `offset % region`).
     #[arg(long, default_value_t = 64 << 20, value_parser = validate::count_u64)]
     pub region: u64,
-    /// Data-plane backend: `tcp`, or `mooncake` (a Mooncake-TE-compatible target on the host
-    /// of `--listen`, random ports; it prints its session id).
+    /// Data-plane backend: `tcp`, `mooncake` (a Mooncake-TE-compatible target on the host
+    /// of `--listen`, random ports; it prints its session id), `verbs` (queue-pair handshakes
+    /// on `--listen`), or `shm` (the region in /dev/shm, published as `local:<name>`: `--listen`
+    /// is the name, or `host:port` for `kvx-link-<port>`).
     #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
     pub backend: crate::plane::Backend,
+    /// RDMA device (with `--backend verbs`).
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
 }
 
-/// Parses a sending side's `--backend` (`auto`, `tcp`, `mooncake`).
+/// Parses a sending side's `--backend` (`auto`, `tcp`, `mooncake`, `verbs`, `shm`).
 fn sending_backend(s: &str) -> Result<crate::plane::Backend, String> {
     use crate::plane::Backend;
     match s {
         "auto" => Ok(Backend::Auto),
         "tcp" => Ok(Backend::Tcp),
         "mooncake" => Ok(Backend::Mooncake),
+        "verbs" => Ok(Backend::Verbs),
+        "shm" => Ok(Backend::Shm),
         _ => Err(format!(
-            "unknown backend {s:?} (expected auto, tcp or mooncake; local only with `kvx demo`)"
+            "unknown backend {s:?} (expected auto, tcp, mooncake, verbs or shm; local only with \
+             `kvx demo`)"
         )),
     }
 }
 
-/// Parses a receiving side's `--backend` (`tcp`, `mooncake`).
+/// Parses a receiving side's `--backend` (`tcp`, `mooncake`, `verbs`, `shm`).
 fn receiving_backend(s: &str) -> Result<crate::plane::Backend, String> {
     use crate::plane::Backend;
     match s {
         "tcp" => Ok(Backend::Tcp),
         "mooncake" => Ok(Backend::Mooncake),
+        "verbs" => Ok(Backend::Verbs),
+        "shm" => Ok(Backend::Shm),
         _ => Err(format!(
-            "unknown backend {s:?} (expected tcp or mooncake; local only with `kvx demo`)"
+            "unknown backend {s:?} (expected tcp, mooncake, verbs or shm; local only with \
+             `kvx demo`)"
         )),
+    }
+}
+
+impl Command {
+    /// The data-plane backend this command selected and its RDMA device (`None` for `kvx
+    /// bootstrap`), for [`crate::plane::check_backend`] before anything is bound.
+    pub fn backend(&self) -> Option<(crate::plane::Backend, crate::plane::RdmaOptions)> {
+        match self {
+            Command::Prefill(a) => Some((a.backend, a.rdma.options())),
+            Command::Decode(a) => Some((a.backend, a.rdma.options())),
+            Command::Demo(a) => Some((a.backend, a.rdma.options())),
+            Command::Send(a) => Some((a.backend, a.rdma.options())),
+            Command::Recv(a) => Some((a.backend, a.rdma.options())),
+            Command::Bootstrap(_) => None,
+        }
     }
 }

@@ -107,6 +107,8 @@ pub struct DecodeConfig {
     pub progress: bool,
     /// Data-plane backend.
     pub backend: crate::plane::Backend,
+    /// The RDMA device of the `verbs` backend.
+    pub rdma: crate::plane::RdmaOptions,
     /// Staging ring for prefills of another attention-TP size (`None`: head slices only).
     pub staging: Option<DecodeStagingConfig>,
     /// A drain request (SIGINT/SIGTERM): no new rooms; rooms in flight get
@@ -144,6 +146,7 @@ impl DecodeConfig {
             room_base: None,
             progress: false,
             backend: crate::plane::Backend::Tcp,
+            rdma: crate::plane::RdmaOptions::default(),
             staging: None,
             stop: None,
             shutdown_timeout: Duration::from_secs(10),
@@ -611,14 +614,17 @@ async fn start_peer(
 ) -> Result<(Arc<Peer>, DataPlane)> {
     let layout = cfg.layout.clone();
     let ring = match &cfg.staging {
-        Some(s) => Some(Arc::new(Region::new(
+        Some(s) => Some(Arc::new(crate::plane::alloc_region(
+            cfg.backend,
+            name,
+            "ring",
             usize::try_from(s.ring_bytes).context("staging ring size")?,
-        ))),
+        )?)),
         None => None,
     };
     let mut regions = vec![kv.clone(), aux.clone()];
     regions.extend(ring.clone());
-    let plane = DataPlane::server(cfg.backend, &cfg.host, name, regions)
+    let plane = DataPlane::server_with(cfg.backend, &cfg.rdma, &cfg.host, name, regions)
         .await
         .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
@@ -696,9 +702,16 @@ async fn start_peer(
 
 /// Runs the decode peer to completion and returns its summary.
 pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
-    let kv = Arc::new(Region::new(cfg.layout.pool_bytes() as usize));
-    let aux = Arc::new(Region::new(cfg.layout.aux_bytes() as usize));
-    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
+    let name = format!(
+        "kvx-decode-{}-{}-{}",
+        std::process::id(),
+        cfg.seed,
+        cfg.tp_rank
+    );
+    // With the shm backend the pages live in /dev/shm, where a prefill of this host maps them.
+    let alloc = |part, len| crate::plane::alloc_region(cfg.backend, &name, part, len);
+    let kv = Arc::new(alloc("kv", cfg.layout.pool_bytes() as usize)?);
+    let aux = Arc::new(alloc("aux", cfg.layout.aux_bytes() as usize)?);
     // The rooms run on a decode engine, as an embedder's would; this driver allocates their
     // pages, verifies them and keeps the summary.
     let mem = engine::DecodeMemory::new(kv, aux);

@@ -65,6 +65,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 fragmentation: args.fragmentation,
                 restart_workers: false,
                 backend: args.backend,
+                rdma: args.rdma.clone(),
                 connections: 2,
                 staging: args.staging.clone(),
                 staging_wait_timeout: 60.0,
@@ -93,6 +94,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 seed: 0xdec0de,
                 progress: rank == 0,
                 backend: args.backend,
+                rdma: args.rdma.options(),
                 staging: args.staging.staging.then_some(decode::DecodeStagingConfig {
                     ring_bytes: args.staging_ring_mib.saturating_mul(1 << 20),
                     chunked_prefill_size: args.staging.chunked_prefill_size,

@@ -97,6 +97,8 @@ pub struct PrefillConfig {
     pub page_size: u32,
     /// Data-plane backend (default `auto`: per decode session, Mooncake TE or kvx tcp).
     pub backend: crate::plane::Backend,
+    /// The RDMA device of the `verbs` backend (default: the first device, port 1).
+    pub rdma: crate::plane::RdmaOptions,
     /// Send through decodes' staging rings where they advertise one and the attention-TP sizes
     /// differ (sglang's `SGLANG_DISAGG_STAGING_BUFFER`); otherwise per-token head slices.
     pub staging: bool,
@@ -129,6 +131,7 @@ impl Default for PrefillConfig {
             connections: 2,
             page_size: 16,
             backend: crate::plane::Backend::Auto,
+            rdma: crate::plane::RdmaOptions::default(),
             staging: false,
             chunked_prefill_size: kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE,
             staging_wait_timeout: Duration::from_secs(60),
@@ -316,7 +319,8 @@ impl PrefillEngine {
         let mut regions = vec![mem.kv.clone(), mem.aux.clone()];
         regions.extend(mem.state_regions.iter().cloned());
         regions.extend(stage_bufs.iter().cloned());
-        let plane = DataPlane::client(cfg.backend, &name, cfg.connections, regions)?;
+        let plane =
+            DataPlane::client_with(cfg.backend, &cfg.rdma, &name, cfg.connections, regions)?;
         let ctx = zmq::Context::new();
         let inbox = Inbox::bind(
             &ctx,

@@ -25,9 +25,20 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 /// `kvx recv`: serves until interrupted.
 pub fn recv(args: RecvArgs) -> Result<i32> {
-    let region = Arc::new(Region::new(args.region as usize));
+    let shm_name = match args.backend {
+        Backend::Shm => crate::plane::shm_link_name("--listen", &args.listen)?,
+        _ => String::new(),
+    };
+    let region = Arc::new(
+        crate::plane::alloc_region(args.backend, &shm_name, "recv", args.region as usize)
+            .context("allocating the receive region")?,
+    );
     runtime()?.block_on(async {
         let plane = match args.backend {
+            Backend::Shm => DataPlane::shm_server(&shm_name, vec![region]),
+            Backend::Verbs => {
+                DataPlane::verbs_server(&args.listen, &args.rdma.options(), vec![region]).await
+            }
             Backend::Mooncake => {
                 // Mooncake TE picks its own ports: only the host of --listen is used.
                 let host = args
@@ -71,17 +82,26 @@ pub fn send(args: SendArgs) -> Result<i32> {
         })
     };
     let (bytes, secs) = runtime()?.block_on(async {
-        let plane = DataPlane::client(
+        let plane = DataPlane::client_with(
             args.backend,
+            &args.rdma.options(),
             "kvx-send",
             args.connections,
             vec![src.clone()],
         )?;
+        let to = match args.backend {
+            Backend::Shm => format!(
+                "{}{}",
+                kvx_rdma::local::SCHEME,
+                crate::plane::shm_link_name("--to", &args.to)?
+            ),
+            _ => args.to.clone(),
+        };
         let session = plane
             .transport()
-            .connect(&args.to)
+            .connect(&to)
             .await
-            .with_context(|| format!("connecting to {}", args.to))?;
+            .with_context(|| format!("connecting to {to}"))?;
         let Some(dst) = session.remote().regions.first().cloned() else {
             bail!("peer registered no memory");
         };

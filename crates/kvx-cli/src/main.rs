@@ -1,7 +1,7 @@
 //! The `kvx` binary: see `kvx --help`.
 
 use anyhow::{Context, Result};
-use clap::Parser as _;
+use kvx_cli::config::file::CliError;
 use kvx_cli::config::{Cli, Command, DecodeArgs};
 use kvx_cli::decode::{self, DecodeConfig};
 use kvx_cli::lifecycle::{Readiness, Signals};
@@ -9,17 +9,23 @@ use kvx_cli::validate::duration;
 use kvx_cli::{demo, link, prefill_cmd, telemetry};
 
 fn main() {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
+    // Flags: command line > environment > --config file > default.
+    let cli = match kvx_cli::config::file::parse(std::env::args_os().collect()) {
+        Ok((cli, _)) => cli,
+        Err(CliError::Clap(e, file_note)) => {
             let argv: Vec<String> = std::env::args().collect();
             let _ = e.print();
-            if let Some(note) =
+            let note = file_note.or_else(|| {
                 kvx_cli::validate::env_note(&e, &<Cli as clap::CommandFactory>::command(), &argv)
-            {
+            });
+            if let Some(note) = note {
                 eprintln!("{note}");
             }
             std::process::exit(e.exit_code());
+        }
+        Err(CliError::File(e)) => {
+            eprintln!("kvx: {e}");
+            std::process::exit(2);
         }
     };
     // Failpoints (feature `failpoints`) are configured by the FAILPOINTS environment variable.
@@ -51,6 +57,10 @@ fn run(cmd: Command) -> Result<i32> {
         Command::Decode(a) => a.validate()?,
         Command::Demo(a) => a.validate()?,
         _ => {}
+    }
+    // A backend this host or build cannot run fails here, naming the flag.
+    if let Some((backend, rdma)) = cmd.backend() {
+        kvx_cli::plane::check_backend(backend, &rdma)?;
     }
     match cmd {
         Command::Prefill(a) => prefill_cmd::run(a),
@@ -94,6 +104,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         room_base: a.room_base,
         progress: !a.no_progress,
         backend: a.backend,
+        rdma: a.rdma.options(),
         staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
             ring_bytes: a.staging_ring_mib.saturating_mul(1 << 20),
             chunked_prefill_size: a.staging.chunked_prefill_size,

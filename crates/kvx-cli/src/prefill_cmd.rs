@@ -112,6 +112,7 @@ pub fn start_rank(
         connections: args.connections.max(1),
         page_size: u32::try_from(m.page_size).unwrap_or(u32::MAX),
         backend,
+        rdma: args.rdma.options(),
         staging: args.staging.staging,
         chunked_prefill_size: args.staging.chunked_prefill_size,
         staging_wait_timeout: validate::duration(args.staging_wait_timeout),

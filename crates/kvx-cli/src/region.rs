@@ -2,6 +2,9 @@
 //! zeroed here or the embedder's own memory (`Region::from_raw`: a serving stack's KV pool,
 //! never copied, never freed here).
 //!
+//! A region may also live in a `/dev/shm` file ([`Region::new_shm`]): that is the memory a
+//! decode offers to prefills on the same host through the `shm` backend.
+//!
 //! A region is what a rank registers with the data plane: the KV pool, the aux rows. Remote peers
 //! name bytes by virtual address (as sglang publishes pointers on the wire); every access here is
 //! bounds-checked against the region before a pointer is formed. Remote peers write a region
@@ -13,6 +16,9 @@
 //! on the decode — and is read only after that write finished).
 
 use std::cell::UnsafeCell;
+use std::sync::Arc;
+
+use kvx_rdma::{ShmRegion, TransportError};
 
 /// Why an address range is not inside a region.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -29,21 +35,25 @@ pub struct OutOfBounds {
 }
 
 /// A fixed-size byte region in host memory, shared between threads: allocated and owned by the
-/// region ([`Region::new`]), or the caller's memory ([`Region::from_raw`], never freed here).
+/// region ([`Region::new`]), a `/dev/shm` mapping it owns ([`Region::new_shm`]), or the caller's
+/// memory ([`Region::from_raw`], never freed here).
 pub struct Region {
-    /// First byte (the owned box's, or the caller's).
+    /// First byte (the owned box's, the mapping's, or the caller's).
     ptr: *mut u8,
     len: usize,
     /// The allocation when the region owns it (freed on drop); `None` for caller memory.
     owned: Option<Box<[UnsafeCell<u8>]>>,
+    /// The shared mapping when the region lives in `/dev/shm` (unmapped and its file removed
+    /// once the last holder, this region or a transport it is registered with, lets go).
+    shm: Option<Arc<ShmRegion>>,
 }
 
-// SAFETY: every access is bounds-checked and goes through raw pointers to `UnsafeCell` bytes; the
-// safe methods form no references to the region's bytes, and the views that do are `unsafe` with
+// SAFETY: every access is bounds-checked and goes through raw pointers (to `UnsafeCell` bytes, or
+// to a shared mapping no reference is formed to); the safe methods form no references to the region's bytes, and the views that do are `unsafe` with
 // the page-ownership contract (documented on the module) as their precondition.
 unsafe impl Sync for Region {}
-// SAFETY: the region owns its allocation (moving it moves only the box; the heap bytes stay), or
-// refers to caller memory that `from_raw`'s contract keeps valid wherever the region is used.
+// SAFETY: the region owns its allocation (moving it moves only the box; the heap bytes stay) or its
+// shared mapping (an `Arc`; the mapping never moves), or refers to caller memory that `from_raw`'s contract keeps valid wherever the region is used.
 unsafe impl Send for Region {}
 
 impl std::fmt::Debug for Region {
@@ -64,7 +74,28 @@ impl Region {
             ptr: UnsafeCell::raw_get(bytes.as_ptr()),
             len,
             owned: Some(bytes),
+            shm: None,
         }
+    }
+
+    /// A zeroed region of `len` bytes in the new file `/dev/shm/<name>` (`[A-Za-z0-9._-]`, which
+    /// must not exist), mapped shared, so that another process of this host can map and write it
+    /// (the `shm` backend). The file is removed once the region and every transport it was
+    /// registered with are dropped.
+    pub fn new_shm(name: &str, len: usize) -> Result<Self, TransportError> {
+        let shm = Arc::new(ShmRegion::create(name, len)?);
+        Ok(Region {
+            ptr: shm.addr() as usize as *mut u8,
+            len: shm.len(),
+            owned: None,
+            shm: Some(shm),
+        })
+    }
+
+    /// The `/dev/shm` mapping behind the region ([`Region::new_shm`]); `None` for heap or
+    /// caller memory.
+    pub fn shm_region(&self) -> Option<&Arc<ShmRegion>> {
+        self.shm.as_ref()
     }
 
     /// Wraps `len` bytes of the caller's memory at `addr` — a serving stack's own KV pool, aux
@@ -87,12 +118,13 @@ impl Region {
             ptr: addr as *mut u8,
             len,
             owned: None,
+            shm: None,
         })
     }
 
     /// True when the region wraps caller memory ([`Region::from_raw`]).
     pub fn is_borrowed(&self) -> bool {
-        self.owned.is_none()
+        self.owned.is_none() && self.shm.is_none()
     }
 
     /// The virtual address of the first byte.

@@ -109,6 +109,9 @@ impl VerbsTransport {
     /// Opens the device and, when configured, starts the handshake listener (inside a tokio
     /// runtime). On a host without RDMA this returns [`VerbsError::NoDevice`].
     pub async fn open(cfg: VerbsConfig) -> Result<Self, VerbsError> {
+        if cfg.listen.is_none() {
+            return Self::client(cfg);
+        }
         let dev = VerbsDevice::open(&cfg.device)?;
         let (shutdown, stop) = watch::channel(false);
         let endpoint = match &cfg.listen {
@@ -128,6 +131,25 @@ impl VerbsTransport {
             dev,
             cfg,
             endpoint,
+            sessions: Mutex::new(HashMap::new()),
+            shutdown,
+        })
+    }
+
+    /// A send-only transport (`cfg.listen` is ignored): opens the device, starts no listener,
+    /// so it needs no tokio runtime until its first [`connect`](Transport::connect). On a host
+    /// without RDMA this returns [`VerbsError::NoDevice`]; with `cfg.device.name` naming no
+    /// device, [`VerbsError::DeviceNotFound`] with the names that exist.
+    pub fn client(cfg: VerbsConfig) -> Result<Self, VerbsError> {
+        let dev = VerbsDevice::open(&cfg.device)?;
+        let (shutdown, _stop) = watch::channel(false);
+        Ok(VerbsTransport {
+            dev,
+            cfg: VerbsConfig {
+                listen: None,
+                ..cfg
+            },
+            endpoint: String::new(),
             sessions: Mutex::new(HashMap::new()),
             shutdown,
         })
