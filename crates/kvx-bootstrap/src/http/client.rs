@@ -282,3 +282,14 @@ impl BootstrapClient {
         Self::expect_ok(resp).await.map(|_| ())
     }
 }
+
+/// True when a TCP connection to `host:port` opens within `timeout`; it is closed at once
+/// without a byte sent. This is how a process is told alive behind a port that speaks no HTTP
+/// (a prefill rank's ZMQ inbox: libzmq drops a peer that closes before its greeting).
+pub async fn tcp_alive(host: &str, port: u16, timeout: Duration) -> bool {
+    let addr = (host.trim_matches(['[', ']']), port);
+    matches!(
+        tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
+}

@@ -1,0 +1,106 @@
+//! Recovery without restarts, with real processes: a prefill rank killed with `kill -9` and
+//! started again (the decode re-resolves its route and registers with the new process), a
+//! bootstrap server that restarts (the prefill ranks register again), a rank that dies under a
+//! standalone bootstrap server (the server drops it), and a decode saying what a stuck room
+//! waits for. Every wait has a hang guard; no assertion is about speed.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// Hang guard of each wait (generous: builds share the machine).
+const GUARD: Duration = Duration::from_secs(120);
+
+/// `kvx bootstrap` on `port`, ready.
+fn start_bootstrap(port: u16, extra: &[&str]) -> Proc {
+    let p = Proc::spawn(
+        Command::new(KVX)
+            .args(["bootstrap", "--port"])
+            .arg(port.to_string())
+            .args(extra)
+            .env("RUST_LOG", "info"),
+    );
+    wait_until(GUARD, "bootstrap ready", || {
+        http_get(port, "/ready").is_some_and(|(s, _)| s == 200)
+    });
+    p
+}
+
+/// `kvx prefill` registered with the bootstrap server on `bootstrap` (not serving it), its
+/// `/metrics` on `metrics`.
+fn spawn_prefill(bootstrap: u16, metrics: u16, extra: &[&str]) -> Proc {
+    Proc::spawn(
+        Command::new(KVX)
+            .args(["prefill", "--bootstrap-port"])
+            .arg(bootstrap.to_string())
+            .arg("--metrics-port")
+            .arg(metrics.to_string())
+            .args(MODEL)
+            .args(["--chunk-pages", "4"])
+            .args(extra)
+            .env("RUST_LOG", "info"),
+    )
+}
+
+/// Rooms the prefill whose `/metrics` is on `port` finished with Success.
+fn successes(port: u16) -> f64 {
+    http_get(port, "/metrics").map_or(0.0, |(_, m)| {
+        m.lines()
+            .filter(|l| l.starts_with("kvx_rooms_finished_total{status=\"success\"}"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    })
+}
+
+fn kill9(p: &mut Proc) {
+    p.child().kill().unwrap();
+    p.child().wait().unwrap();
+}
+
+/// The decode keeps serving rooms when its prefill rank is killed and started again at another
+/// inbox, with a standalone bootstrap server whose `/health` never stopped answering (so the
+/// instance heartbeat sees nothing): it notices the rank's inbox is gone, fails the rooms sent
+/// there, re-resolves the route and registers with the new process, whose rooms then succeed.
+/// Before, the decode kept the cached inbox and the new process never saw a room.
+#[test]
+fn decode_reregisters_with_a_restarted_prefill_rank() {
+    let b = free_port();
+    let _bootstrap = start_bootstrap(b, &[]);
+    let (m1, m2) = (free_port(), free_port());
+    let mut p1 = spawn_prefill(b, m1, &[]);
+    wait_until(GUARD, "first prefill ready", || {
+        http_get(m1, "/ready").is_some_and(|(s, _)| s == 200)
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let decode = Proc::spawn(
+        Command::new(KVX)
+            .args(["decode", "--no-progress", "--bootstrap-addr"])
+            .arg(format!("127.0.0.1:{b}"))
+            .args(MODEL)
+            .arg("--summary-json")
+            .arg(&s)
+            .args(ENDLESS_LOAD)
+            .args(["--heartbeat-interval", "2"])
+            .env("RUST_LOG", "info"),
+    );
+    wait_until(GUARD, "rooms served by the first prefill", || {
+        successes(m1) >= 4.0
+    });
+    kill9(&mut p1);
+    let _p2 = spawn_prefill(b, m2, &[]);
+    wait_until(GUARD, "rooms served by the restarted prefill", || {
+        successes(m2) >= 4.0
+    });
+    let err = decode.stderr_now();
+    assert!(
+        err.contains("prefill rank back: registered with it again"),
+        "{}",
+        tail(&err, 30)
+    );
+}
