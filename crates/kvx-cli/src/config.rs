@@ -205,6 +205,10 @@ pub struct PrefillArgs {
     /// Drain on SIGINT/SIGTERM.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    /// Seconds between checks that the bootstrap server still routes this rank (it registers
+    /// again when the server restarted or dropped it).
+    #[arg(long, default_value_t = 5.0, value_parser = validate::seconds)]
+    pub reregister_interval: f64,
 }
 
 impl PrefillArgs {

@@ -104,3 +104,24 @@ fn decode_reregisters_with_a_restarted_prefill_rank() {
         tail(&err, 30)
     );
 }
+
+/// A standalone bootstrap server killed with `kill -9` and started again knows no rank; the
+/// prefill rank notices (its periodic check) and registers again, so the instance answers the
+/// sentinel with 200 instead of 503 until the rank restarts.
+#[test]
+fn prefill_registers_again_with_a_restarted_bootstrap_server() {
+    let b = free_port();
+    let mut b1 = start_bootstrap(b, &[]);
+    let m = free_port();
+    let p = spawn_prefill(b, m, &["--reregister-interval", "1"]);
+    wait_sentinel(b, GUARD);
+    kill9(&mut b1);
+    let _b2 = start_bootstrap(b, &[]);
+    wait_sentinel(b, GUARD);
+    let err = p.stderr_now();
+    assert!(
+        err.contains("rank registered again with the bootstrap server"),
+        "{}",
+        tail(&err, 30)
+    );
+}

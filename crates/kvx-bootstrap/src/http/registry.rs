@@ -4,8 +4,9 @@
 //!
 //! Semantics follow sglang's bootstrap server (spec §1.2): topology scalars are
 //! first-writer-wins, every `PUT /route` increments the registered count (a restarted rank
-//! double counts, as in sglang), and the instance is ready once all four sizes are known and
-//! `registered >= dp·cp·tp·pp`.
+//! double counts, as in sglang) except one naming the inbox its slot already has (a live rank
+//! re-registering with a restarted server, which kvx ranks do periodically, is idempotent),
+//! and the instance is ready once all four sizes are known and `registered >= dp·cp·tp·pp`.
 //!
 //! sglang 0.5.23's additions are kept as that release keeps them — `kv_layout` first non-null
 //! wins, `enable_kv_cache_sharding` first registration wins, `dsv41_spec_layout` and
@@ -175,18 +176,21 @@ impl Registry {
             i64::from(r.attn_tp_rank),
             i64::from(r.pp_rank),
         );
-        self.ranks.insert(
-            key,
-            RankInfo {
-                rank_ip: r.rank_ip.clone(),
-                rank_port: r.rank_port,
-            },
-        );
-        self.registered += 1;
+        let info = RankInfo {
+            rank_ip: r.rank_ip.clone(),
+            rank_port: r.rank_port,
+        };
+        // The same rank process registering again (a prefill making sure a restarted server
+        // knows it) is idempotent; another process in the slot counts again, as in sglang.
+        if self.ranks.get(&key) != Some(&info) {
+            self.registered += 1;
+        }
+        self.ranks.insert(key, info);
         Ok(())
     }
 
-    /// How many `PUT /route` calls were recorded (re-registrations included).
+    /// How many `PUT /route` calls were recorded (re-registrations by another inbox included,
+    /// repeats of a slot's current inbox not).
     pub fn registered(&self) -> u64 {
         self.registered
     }
