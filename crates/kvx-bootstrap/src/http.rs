@@ -10,6 +10,6 @@ pub mod server;
 pub mod types;
 
 pub use client::{BootstrapClient, ClientError, Registration, RetryPolicy, tcp_alive};
-pub use registry::{RegistrationConflict, Registry, RouteAnswer, RouteQuery};
+pub use registry::{RegisteredRank, RegistrationConflict, Registry, RouteAnswer, RouteQuery};
 pub use server::{BootstrapServer, BootstrapState, ServerConfig};
 pub use types::{PrefillServerInfo, RankInfo, RankRegistration};

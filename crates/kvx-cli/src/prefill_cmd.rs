@@ -172,7 +172,10 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
             let (host, port) = (args.bootstrap_host.as_str(), args.bootstrap_port);
             let s = BootstrapServer::bind_with(
                 (host, port),
-                ServerConfig::default(),
+                ServerConfig {
+                    rank_health_interval: Some(validate::duration(args.rank_health_interval)),
+                    ..ServerConfig::default()
+                },
                 telemetry::metrics_router().merge(ready.router()),
             )
             .await

@@ -16,6 +16,9 @@ use common::*;
 /// Hang guard of each wait (generous: builds share the machine).
 const GUARD: Duration = Duration::from_secs(120);
 
+const SENTINEL: &str =
+    "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+
 /// `kvx bootstrap` on `port`, ready.
 fn start_bootstrap(port: u16, extra: &[&str]) -> Proc {
     let p = Proc::spawn(
@@ -124,4 +127,29 @@ fn prefill_registers_again_with_a_restarted_bootstrap_server() {
         "{}",
         tail(&err, 30)
     );
+}
+
+/// A prefill rank killed with `kill -9` under a standalone bootstrap server is dropped once its
+/// inbox and `/health` stop answering (logged at warn with the rank): the sentinel turns 503,
+/// so decodes get no route to the dead rank, and 200 again once a new rank registers.
+#[test]
+fn bootstrap_drops_a_rank_that_stops_answering() {
+    let b = free_port();
+    let bootstrap = start_bootstrap(b, &["--rank-health-interval", "1"]);
+    let mut p1 = spawn_prefill(b, free_port(), &[]);
+    wait_sentinel(b, GUARD);
+    kill9(&mut p1);
+    wait_until(GUARD, "dead rank dropped", || {
+        http_get(b, SENTINEL).is_some_and(|(s, _)| s == 503)
+    });
+    let err = bootstrap.stderr_now();
+    assert!(
+        err.lines().any(|l| l.contains("WARN")
+            && l.contains("prefill rank dropped")
+            && l.contains("tp=0")),
+        "{}",
+        tail(&err, 30)
+    );
+    let _p2 = spawn_prefill(b, free_port(), &[]);
+    wait_sentinel(b, GUARD);
 }
