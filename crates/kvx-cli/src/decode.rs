@@ -209,6 +209,8 @@ struct Peer {
     late_writes: AtomicU64,
     /// Rooms the drain deadline failed and ABORTed.
     shutdown_aborted: AtomicU64,
+    /// Rooms [`log_stuck_rooms`] reported, with when it last did.
+    stuck_logged: Mutex<HashMap<Room, Instant>>,
 }
 
 /// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
@@ -697,6 +699,7 @@ async fn start_peer(
         abort_acked_rooms: AtomicU64::new(0),
         late_writes: AtomicU64::new(0),
         shutdown_aborted: AtomicU64::new(0),
+        stuck_logged: Mutex::new(HashMap::new()),
         kv,
         aux,
         cfg,
@@ -1315,10 +1318,60 @@ async fn watch_ranks(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topolog
     }
 }
 
+/// A room held this long is reported at info with what it waits for.
+const STUCK_AFTER: Duration = Duration::from_secs(5);
+/// A room still held is reported again this often.
+const STUCK_REPEAT: Duration = Duration::from_secs(30);
+
+/// Logs at info each room held longer than [`STUCK_AFTER`] (again every [`STUCK_REPEAT`]):
+/// its state, its prefill instance, the ranks it sent to and those that reported Success so
+/// far, so an operator sees why a room does not finish (a rank that never answers, a prefill
+/// that has not started the room) before its waiting timeout.
+fn log_stuck_rooms(peer: &Peer, now: Instant) {
+    let waiting = lock(&peer.rooms).waiting(now, STUCK_AFTER);
+    let mut logged = lock(&peer.stuck_logged);
+    logged.retain(|room, _| waiting.iter().any(|w| w.room == *room));
+    metrics::gauge!("kvx_decode_rooms_stuck").set(waiting.len() as f64);
+    for w in waiting {
+        if logged
+            .get(&w.room)
+            .is_some_and(|t| now.saturating_duration_since(*t) < STUCK_REPEAT)
+        {
+            continue;
+        }
+        logged.insert(w.room, now);
+        let endpoints: Vec<String> = w.endpoints.iter().map(ToString::to_string).collect();
+        let state = match (w.status, w.metadata_sent) {
+            (KVPoll::Bootstrapping, _) => "resolving the prefill instance",
+            (_, false) => "sending its metadata",
+            _ => "waiting for the prefill ranks' status",
+        };
+        tracing::info!(
+            room = %w.room,
+            status = match w.status {
+                KVPoll::Bootstrapping => "bootstrapping",
+                _ => "waiting_for_input",
+            },
+            waited_s = w.elapsed.as_secs_f64().round(),
+            bootstrap_addr = %w.bootstrap_addr,
+            prefill_ranks = %endpoints.join(","),
+            succeeded_ranks = ?w.responded,
+            required = w.required,
+            "room waiting: {state}"
+        );
+    }
+}
+
 /// Gives the room manager the time every 100 ms (waiting timeouts) and sends its `ABORT`s.
 async fn ticker(peer: Arc<Peer>) {
+    let mut last_stuck = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = Instant::now();
+        if now.saturating_duration_since(last_stuck) >= Duration::from_secs(1) {
+            last_stuck = now;
+            log_stuck_rooms(&peer, now);
+        }
         let aborts = peer.handle(DecodeEvent::Tick, None);
         peer.send_aborts(aborts).await;
         metrics::gauge!("kvx_decode_room_entries").set(lock(&peer.rooms).live_entries() as f64);

@@ -153,3 +153,46 @@ fn bootstrap_drops_a_rank_that_stops_answering() {
     let _p2 = spawn_prefill(b, free_port(), &[]);
     wait_sentinel(b, GUARD);
 }
+
+/// A room whose prefill does not answer (the prefill process is stopped with SIGSTOP: its
+/// sockets still accept, nothing is served) is reported by the decode at info once it waited a
+/// few seconds: its state, its prefill instance and ranks, the ranks that answered so far.
+#[test]
+fn decode_says_what_a_stuck_room_waits_for() {
+    let b = free_port();
+    let _bootstrap = start_bootstrap(b, &[]);
+    let m = free_port();
+    let mut p = spawn_prefill(b, m, &[]);
+    wait_sentinel(b, GUARD);
+    let inbox = inbox(b);
+    let pid = p.child().id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let decode = Proc::spawn(
+        Command::new(KVX)
+            .args(["decode", "--no-progress", "--bootstrap-addr"])
+            .arg(format!("127.0.0.1:{b}"))
+            .args(MODEL)
+            .arg("--summary-json")
+            .arg(&s)
+            .args(["--requests", "1"])
+            .env("RUST_LOG", "info"),
+    );
+    let ep = inbox.trim_start_matches("tcp://").to_owned();
+    wait_until(GUARD, "stuck room reported", || {
+        decode.stderr_now().lines().any(|l| {
+            l.contains("INFO")
+                && l.contains("room waiting: waiting for the prefill ranks' status")
+                && l.contains(&ep)
+                && l.contains("succeeded_ranks=[]")
+        })
+    });
+    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+}
