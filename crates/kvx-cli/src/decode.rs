@@ -5,7 +5,10 @@
 //! socket), then per request: pages allocated (fragmented), metadata to every target rank, and
 //! Success once `required_prefill_response_num` distinct ranks answered 4. A waiting timeout fails
 //! the room and sends `ABORT`; `/health` heartbeats fail every open room after
-//! `max_failure` misses. Room state lives in `kvx-core`'s [`DecodeManager`]: this driver feeds it
+//! `max_failure` misses (the next room resolves the instance again); a watcher per instance
+//! (`watch_ranks`) fails the rooms of a rank whose inbox stops answering and registers again
+//! with it once it is back (at its new inbox); rooms held over 5 s are logged with what they
+//! wait for. Room state lives in `kvx-core`'s [`DecodeManager`]: this driver feeds it
 //! statuses, ticks and heartbeat loss, sends the `ABORT`s it asks for and hands each concluded
 //! room's outcome to the task waiting on it. Its destination memory is registered with a data-plane server whose
 //! `ip:port` is the session id it sends. Every byte of a successful room is checked against the

@@ -2,9 +2,12 @@
 //! scheduler, over memory the scheduler owns. The scheduler allocates a room's KV pages and aux
 //! row itself and calls [`DecodeEngine::open_room`]; the engine resolves the room's prefill
 //! instance (sentinel, §4.3 rank mapping and per-rank routes, one registration per prefill rank,
-//! once per bootstrap address, then a heartbeat to it), sends the room's metadata to every target
-//! rank and tracks its status (`kvx-core`'s `DecodeManager`: distinct-rank success counting,
-//! waiting timeout with `ABORT`, heartbeat loss). The outcome is read by polling
+//! once per bootstrap address, then a heartbeat to it and a watcher of its ranks), sends the
+//! room's metadata to every target rank and tracks its status (`kvx-core`'s `DecodeManager`:
+//! distinct-rank success counting, waiting timeout with `ABORT`, heartbeat loss, a lost rank).
+//! Recovery: an instance whose heartbeats failed is resolved again by the next room; a rank
+//! whose inbox stops answering fails its rooms, and once the bootstrap server names its new
+//! inbox (it restarted) or the old one answers again, the engine registers with it again. The outcome is read by polling
 //! ([`DecodeEngine::poll`], [`RoomHandle::poll`]), from the event channel
 //! ([`DecodeEngine::take_events`]: [`DecodeEngineEvent::Done`], then
 //! [`DecodeEngineEvent::Released`]) or by awaiting [`RoomHandle::wait`].
