@@ -9,7 +9,7 @@ pub mod registry;
 pub mod server;
 pub mod types;
 
-pub use client::{BootstrapClient, ClientError, RetryPolicy};
-pub use registry::{RegistrationConflict, Registry, RouteAnswer, RouteQuery};
+pub use client::{BootstrapClient, ClientError, Registration, RetryPolicy, tcp_alive};
+pub use registry::{RegisteredRank, RegistrationConflict, Registry, RouteAnswer, RouteQuery};
 pub use server::{BootstrapServer, BootstrapState, ServerConfig};
 pub use types::{PrefillServerInfo, RankInfo, RankRegistration};

@@ -151,7 +151,8 @@ proptest! {
                 first.get_or_insert((policy, *layout));
             }
         }
-        prop_assert_eq!(r.registered(), accepted);
+        // Every accepted body names the same rank and inbox: repeats are idempotent.
+        prop_assert_eq!(r.registered(), accepted.min(1));
         let RouteAnswer::Topology(t) = r.route(RouteQuery::SENTINEL) else {
             return Err(TestCaseError::fail("one accepted rank makes a TP1 instance ready"));
         };

@@ -459,6 +459,7 @@ async fn dp_rank_entries_expire_by_the_periodic_sweep() {
     let cfg = ServerConfig {
         dp_rank_entry_ttl: Duration::ZERO,
         sweep_interval: Duration::from_millis(20),
+        ..ServerConfig::default()
     };
     let server = BootstrapServer::bind("127.0.0.1:0", cfg).await.unwrap();
     let client = BootstrapClient::new("127.0.0.1", server.local_addr().port()).unwrap();

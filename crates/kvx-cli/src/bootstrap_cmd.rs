@@ -23,7 +23,10 @@ pub fn run(args: BootstrapArgs) -> Result<i32> {
         let (host, port) = (args.host.as_str(), args.port);
         let server = BootstrapServer::bind_with(
             (host, port),
-            ServerConfig::default(),
+            ServerConfig {
+                rank_health_interval: Some(validate::duration(args.rank_health_interval)),
+                ..ServerConfig::default()
+            },
             telemetry::metrics_router().merge(ready.router()),
         )
         .await

@@ -259,6 +259,14 @@ pub struct PrefillArgs {
     /// Drain on SIGINT/SIGTERM.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    /// Seconds between checks that the bootstrap server still routes this rank (it registers
+    /// again when the server restarted or dropped it).
+    #[arg(long, default_value_t = 5.0, value_parser = validate::seconds)]
+    pub reregister_interval: f64,
+    /// With --serve-bootstrap: seconds between health checks of the registered ranks (a rank
+    /// whose inbox and /health fail two checks in a row is dropped).
+    #[arg(long, default_value_t = 5.0, value_parser = validate::seconds)]
+    pub rank_health_interval: f64,
 }
 
 impl PrefillArgs {
@@ -409,6 +417,10 @@ pub struct BootstrapArgs {
     /// Drain on SIGINT/SIGTERM.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    /// Seconds between health checks of the registered ranks (a rank whose inbox and /health
+    /// fail two checks in a row is dropped).
+    #[arg(long, default_value_t = 5.0, value_parser = validate::seconds)]
+    pub rank_health_interval: f64,
 }
 
 /// Flags of `kvx demo` (a repeated flag: the last one wins).

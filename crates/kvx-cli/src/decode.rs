@@ -5,7 +5,10 @@
 //! socket), then per request: pages allocated (fragmented), metadata to every target rank, and
 //! Success once `required_prefill_response_num` distinct ranks answered 4. A waiting timeout fails
 //! the room and sends `ABORT`; `/health` heartbeats fail every open room after
-//! `max_failure` misses. Room state lives in `kvx-core`'s [`DecodeManager`]: this driver feeds it
+//! `max_failure` misses (the next room resolves the instance again); a watcher per instance
+//! (`watch_ranks`) fails the rooms of a rank whose inbox stops answering and registers again
+//! with it once it is back (at its new inbox); rooms held over 5 s are logged with what they
+//! wait for. Room state lives in `kvx-core`'s [`DecodeManager`]: this driver feeds it
 //! statuses, ticks and heartbeat loss, sends the `ABORT`s it asks for and hands each concluded
 //! room's outcome to the task waiting on it. Its destination memory is registered with a data-plane server whose
 //! `ip:port` is the session id it sends. Every byte of a successful room is checked against the
@@ -31,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use kvx_bootstrap::http::{BootstrapClient, RouteQuery};
+use kvx_bootstrap::http::{BootstrapClient, RouteQuery, tcp_alive};
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, Outbox, PushOptions, zmq};
 use kvx_core::decode::{DecodeAction, DecodeEvent, DecodeManager};
 use kvx_core::{
@@ -167,9 +170,15 @@ pub struct DecodeStagingConfig {
 /// One room's outcome as reported by the prefill ranks.
 type Outcome = Result<(), String>;
 
+/// One prefill rank a room's metadata goes to.
+#[derive(Clone, Debug)]
 struct Target {
     endpoint: Endpoint,
     dummy: bool,
+    /// Its attention-TP rank (the per-rank route query).
+    tp_rank: u32,
+    /// False while its inbox does not answer (rooms fail at once instead of waiting).
+    up: bool,
 }
 
 /// An `ABORT` to send: the room, the prefill rank's inbox, the abort's generation.
@@ -206,6 +215,8 @@ struct Peer {
     late_writes: AtomicU64,
     /// Rooms the drain deadline failed and ABORTed.
     shutdown_aborted: AtomicU64,
+    /// Rooms [`log_stuck_rooms`] reported, with when it last did.
+    stuck_logged: Mutex<HashMap<Room, Instant>>,
 }
 
 /// Most prefill inboxes the decode keeps a socket open to (least recently used closed first).
@@ -455,9 +466,14 @@ impl Peer {
 struct Topology {
     /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
     bootstrap_addr: String,
-    /// Set once its heartbeats failed `heartbeat_max_failure` times in a row.
+    /// Set once its heartbeats failed `heartbeat_max_failure` times in a row: the engine
+    /// resolves the address again for the next room.
     dead: AtomicBool,
-    targets: Vec<Target>,
+    /// The target ranks as last resolved ([`watch_ranks`] re-resolves a rank whose inbox stops
+    /// answering and registers with it again).
+    targets: Mutex<Vec<Target>>,
+    /// Wakes [`watch_ranks`] before its next period (a send to a rank failed).
+    check: Notify,
     required_dst_info_num: u32,
     responses: usize,
     dst_tp_rank: u32,
@@ -466,6 +482,18 @@ struct Topology {
     /// The prefill is sglang 0.5.23's (its sentinel carries that release's keys): `ABORT`s
     /// carry a generation, without which it would never acknowledge them.
     generational_aborts: bool,
+}
+
+impl Topology {
+    /// The target ranks as they are now.
+    fn targets(&self) -> Vec<Target> {
+        lock(&self.targets).clone()
+    }
+
+    /// The first target rank whose inbox is known not to answer.
+    fn down_target(&self) -> Option<Target> {
+        lock(&self.targets).iter().find(|t| !t.up).cloned()
+    }
 }
 
 /// Resolves the prefill instance behind `client` (its bootstrap server is `bootstrap_addr`):
@@ -550,7 +578,12 @@ async fn connect_prefill(
         let endpoint = Endpoint::new(ri.rank_ip, ri.rank_port);
         let reg = wire::encode_registration(&peer.registration(r))?;
         peer.send(&endpoint, reg).await?;
-        targets.push(Target { endpoint, dummy });
+        targets.push(Target {
+            endpoint,
+            dummy,
+            tp_rank: t,
+            up: true,
+        });
     }
     let staged = match &peer.stager {
         Some(_) if pt != dt && !cfg.layout.mla => Some(
@@ -562,7 +595,8 @@ async fn connect_prefill(
     Ok(Topology {
         bootstrap_addr,
         dead: AtomicBool::new(false),
-        targets,
+        targets: Mutex::new(targets),
+        check: Notify::new(),
         required_dst_info_num,
         responses,
         dst_tp_rank: r,
@@ -674,6 +708,7 @@ async fn start_peer(
         abort_acked_rooms: AtomicU64::new(0),
         late_writes: AtomicU64::new(0),
         shutdown_aborted: AtomicU64::new(0),
+        stuck_logged: Mutex::new(HashMap::new()),
         kv,
         aux,
         cfg,
@@ -722,7 +757,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let bootstrap_addr = format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port);
     // Resolved before the first room (its heartbeat starts with it), as sglang's decode does.
     let connect = engine.resolve(&bootstrap_addr, &client);
-    let topo = match &cfg.stop {
+    let _topo = match &cfg.stop {
         Some(stop) => tokio::select! {
             t = connect => t?,
             sig = stop.wait() => {
@@ -778,11 +813,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             },
             None => acquire.await?,
         };
-        let (engine, topo, addr, bar) = (engine.clone(), topo.clone(), addr.clone(), bar.clone());
+        let (engine, addr, bar) = (engine.clone(), addr.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
             let in_flight = metrics::gauge!("kvx_decode_rooms_in_flight");
             in_flight.increment(1.0);
-            let (result, latency) = one_request(&engine, &topo, &addr, room, tokens).await;
+            let (result, latency) = one_request(&engine, &addr, room, tokens).await;
             in_flight.decrement(1.0);
             let label = match &result {
                 RoomResult::Verified => Some("verified"),
@@ -967,7 +1002,6 @@ fn release(peer: &Peer, pages: &[i32], row: u64) {
 
 async fn one_request(
     engine: &DecodeEngine,
-    topo: &Topology,
     addr: &str,
     room: Room,
     tokens: u64,
@@ -998,13 +1032,6 @@ async fn one_request(
     {
         release(peer, &pages, row);
         return (RoomResult::NotStarted, t0.elapsed());
-    }
-    if topo.dead.load(Ordering::Relaxed) {
-        release(peer, &pages, row);
-        return (
-            RoomResult::Failed("Lost connection with prefill instance".into()),
-            t0.elapsed(),
-        );
     }
     let t0 = Instant::now();
     let handle = match engine.open_room(room, addr, pages.clone(), row) {
@@ -1066,6 +1093,7 @@ impl Peer {
     ) -> (Outcome, Option<Arc<DecodeStager>>) {
         let (tx, rx) = oneshot::channel();
         lock(&self.waiters).insert(room, tx);
+        let targets = topo.targets();
         let created = DecodeEvent::Created {
             room,
             bootstrap_addr: topo.bootstrap_addr.clone(),
@@ -1073,7 +1101,7 @@ impl Peer {
         let init = DecodeEvent::Init {
             room,
             required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
-            prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
+            prefill_endpoints: targets.iter().map(|t| t.endpoint.clone()).collect(),
             generational_aborts: topo.generational_aborts,
         };
         let aborts = [self.handle(created, None), self.handle(init, None)].concat();
@@ -1082,8 +1110,7 @@ impl Peer {
         // order): the prefill's STAGING_REQs follow the metadata.
         let staged = match (&self.stager, &topo.staged) {
             (Some(st), Some(geom)) => {
-                let peers = topo
-                    .targets
+                let peers = targets
                     .iter()
                     .filter(|t| !t.dummy)
                     .map(|t| t.endpoint.clone())
@@ -1097,7 +1124,7 @@ impl Peer {
             }
             _ => None,
         };
-        for t in &topo.targets {
+        for t in &targets {
             let req = TransferRequest {
                 room,
                 endpoint: self.me.clone(),
@@ -1116,6 +1143,8 @@ impl Peer {
                 Err(e) => Err(e.into()),
             };
             if let Err(e) = sent {
+                // The rank may have died or moved: re-resolve it now, not at the next period.
+                topo.check.notify_one();
                 let why = format!("metadata not sent: {e:#}");
                 let aborts = self.handle(DecodeEvent::LocalAbort { room }, Some(&why));
                 self.send_aborts(aborts).await;
@@ -1169,21 +1198,196 @@ async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topology>
                 tracing::warn!(error = %e, failures, "prefill heartbeat failed");
                 if failures >= max {
                     topo.dead.store(true, Ordering::Relaxed);
+                    topo.check.notify_one();
                     let lost = DecodeEvent::HeartbeatLost {
                         bootstrap_addr: topo.bootstrap_addr.clone(),
                     };
                     let aborts = peer.handle(lost, None);
                     peer.send_aborts(aborts).await;
+                    metrics::counter!("kvx_decode_prefill_instances_lost_total").increment(1);
+                    tracing::warn!(
+                        bootstrap_addr = %topo.bootstrap_addr,
+                        "prefill instance lost: its rooms failed; the next room resolves its \
+                         route again and registers with its ranks"
+                    );
+                    return;
                 }
             }
         }
     }
 }
 
+/// How long a probe of a prefill rank's inbox may take to connect.
+const RANK_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What one look at a target rank found.
+#[derive(Debug, PartialEq, Eq)]
+struct RankCheck {
+    /// Its inbox answers where we send to it.
+    alive: bool,
+    /// The bootstrap server names another inbox for the rank, and that one answers.
+    moved: Option<Endpoint>,
+}
+
+/// Looks at one target rank: a TCP probe of the inbox we send to, and its route as the
+/// bootstrap server has it now (a restarted rank registers its new inbox there).
+async fn check_rank(client: &BootstrapClient, t: &Target) -> RankCheck {
+    let q = RouteQuery {
+        dp_rank: 0,
+        cp_rank: 0,
+        tp_rank: i64::from(t.tp_rank),
+        pp_rank: 0,
+    };
+    let route = match client.rank_info(q).await {
+        Ok(ri) => Some(Endpoint::new(ri.rank_ip, ri.rank_port)),
+        Err(e) => {
+            tracing::debug!(tp_rank = t.tp_rank, error = %e, "prefill rank route not available");
+            None
+        }
+    };
+    let alive = tcp_alive(&t.endpoint.host, t.endpoint.port, RANK_PROBE_TIMEOUT).await;
+    let moved = match route {
+        Some(ep) if ep != t.endpoint && tcp_alive(&ep.host, ep.port, RANK_PROBE_TIMEOUT).await => {
+            Some(ep)
+        }
+        _ => None,
+    };
+    RankCheck { alive, moved }
+}
+
+/// Watches the target ranks of one prefill instance (every heartbeat period, or at once when a
+/// send to one failed) until the instance is lost: a rank whose inbox stops answering fails
+/// every room sent to it (`RankLost`, no `ABORT`: nothing there would acknowledge it) and rooms
+/// opened meanwhile fail at once; when the bootstrap server names a new inbox for it (the rank
+/// restarted and registered again), or its old inbox answers again, this decode registers with
+/// it again and new rooms go there. sglang's decode only notices a dead instance by its
+/// bootstrap server's `/health`, which a standalone bootstrap server keeps answering.
+async fn watch_ranks(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topology>) {
+    let period = peer.cfg.heartbeat_interval.max(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            () = topo.check.notified() => {}
+        }
+        if topo.dead.load(Ordering::Relaxed) || peer.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        for (i, t) in topo.targets().into_iter().enumerate() {
+            let check = check_rank(&client, &t).await;
+            if t.up && !check.alive {
+                tracing::warn!(
+                    bootstrap_addr = %topo.bootstrap_addr,
+                    tp_rank = t.tp_rank,
+                    endpoint = %t.endpoint,
+                    "prefill rank unreachable: its rooms failed; re-resolving its route"
+                );
+                metrics::counter!("kvx_decode_prefill_ranks_lost_total").increment(1);
+                let aborts = peer.handle(
+                    DecodeEvent::RankLost {
+                        endpoint: t.endpoint.clone(),
+                    },
+                    None,
+                );
+                peer.send_aborts(aborts).await;
+            }
+            let endpoint = match check.moved {
+                Some(ep) => ep,
+                None if !check.alive => {
+                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                        cur.up = false;
+                    }
+                    continue;
+                }
+                None if t.up => continue,
+                None => t.endpoint.clone(),
+            };
+            let reg = match wire::encode_registration(&peer.registration(topo.dst_tp_rank)) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(error = %e, "registration not encoded");
+                    continue;
+                }
+            };
+            match peer.send(&endpoint, reg).await {
+                Ok(()) => {
+                    tracing::info!(
+                        bootstrap_addr = %topo.bootstrap_addr,
+                        tp_rank = t.tp_rank,
+                        %endpoint,
+                        previous = %t.endpoint,
+                        "prefill rank back: registered with it again"
+                    );
+                    metrics::counter!("kvx_decode_prefill_reregistrations_total").increment(1);
+                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                        cur.endpoint = endpoint;
+                        cur.up = true;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(tp_rank = t.tp_rank, %endpoint, error = %e, "registration with the restarted prefill rank not sent");
+                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                        cur.up = false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A room held this long is reported at info with what it waits for.
+const STUCK_AFTER: Duration = Duration::from_secs(5);
+/// A room still held is reported again this often.
+const STUCK_REPEAT: Duration = Duration::from_secs(30);
+
+/// Logs at info each room held longer than [`STUCK_AFTER`] (again every [`STUCK_REPEAT`]):
+/// its state, its prefill instance, the ranks it sent to and those that reported Success so
+/// far, so an operator sees why a room does not finish (a rank that never answers, a prefill
+/// that has not started the room) before its waiting timeout.
+fn log_stuck_rooms(peer: &Peer, now: Instant) {
+    let waiting = lock(&peer.rooms).waiting(now, STUCK_AFTER);
+    let mut logged = lock(&peer.stuck_logged);
+    logged.retain(|room, _| waiting.iter().any(|w| w.room == *room));
+    metrics::gauge!("kvx_decode_rooms_stuck").set(waiting.len() as f64);
+    for w in waiting {
+        if logged
+            .get(&w.room)
+            .is_some_and(|t| now.saturating_duration_since(*t) < STUCK_REPEAT)
+        {
+            continue;
+        }
+        logged.insert(w.room, now);
+        let endpoints: Vec<String> = w.endpoints.iter().map(ToString::to_string).collect();
+        let state = match (w.status, w.metadata_sent) {
+            (KVPoll::Bootstrapping, _) => "resolving the prefill instance",
+            (_, false) => "sending its metadata",
+            _ => "waiting for the prefill ranks' status",
+        };
+        tracing::info!(
+            room = %w.room,
+            status = match w.status {
+                KVPoll::Bootstrapping => "bootstrapping",
+                _ => "waiting_for_input",
+            },
+            waited_s = w.elapsed.as_secs_f64().round(),
+            bootstrap_addr = %w.bootstrap_addr,
+            prefill_ranks = %endpoints.join(","),
+            succeeded_ranks = ?w.responded,
+            required = w.required,
+            "room waiting: {state}"
+        );
+    }
+}
+
 /// Gives the room manager the time every 100 ms (waiting timeouts) and sends its `ABORT`s.
 async fn ticker(peer: Arc<Peer>) {
+    let mut last_stuck = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = Instant::now();
+        if now.saturating_duration_since(last_stuck) >= Duration::from_secs(1) {
+            last_stuck = now;
+            log_stuck_rooms(&peer, now);
+        }
         let aborts = peer.handle(DecodeEvent::Tick, None);
         peer.send_aborts(aborts).await;
         metrics::gauge!("kvx_decode_room_entries").set(lock(&peer.rooms).live_entries() as f64);

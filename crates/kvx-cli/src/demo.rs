@@ -71,6 +71,8 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 staging_wait_timeout: 60.0,
                 aux_over_tcp: false,
                 lifecycle: LifecycleArgs::default(),
+                reregister_interval: 5.0,
+                rank_health_interval: 5.0,
             };
             let engine = start_rank(&pargs, args.backend, tokio::runtime::Handle::current())?;
             let reg = rank_registration(&model, &engine.endpoint().host, engine.endpoint().port);

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kvx_bootstrap::http::{
-    BootstrapClient, BootstrapServer, RankRegistration, RetryPolicy, ServerConfig,
+    BootstrapClient, BootstrapServer, RankRegistration, Registration, RetryPolicy, ServerConfig,
 };
 
 use crate::config::{ModelArgs, PrefillArgs};
@@ -173,7 +173,10 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
             let (host, port) = (args.bootstrap_host.as_str(), args.bootstrap_port);
             let s = BootstrapServer::bind_with(
                 (host, port),
-                ServerConfig::default(),
+                ServerConfig {
+                    rank_health_interval: Some(validate::duration(args.rank_health_interval)),
+                    ..ServerConfig::default()
+                },
                 telemetry::metrics_router().merge(ready.router()),
             )
             .await
@@ -210,10 +213,11 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
             r = client.register_rank(&reg, &policy) => Some(r),
             _ = stop.wait() => None,
         };
-        anyhow::Ok((server, registered))
+        anyhow::Ok((server, registered, reg.prefill_http_port))
     })?;
-    let (server, registered) = registered;
+    let (server, registered, http_port) = registered;
     let bootstrap = format!("{}:{}", args.bootstrap_host, args.bootstrap_port);
+    let attempted = registered.is_some();
     match registered {
         Some(Ok(_)) => {
             ready.set_ready();
@@ -236,6 +240,21 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
         }
         None => {}
     }
+    // The bootstrap server may restart (a standalone one, or the rank serving it) or drop this
+    // rank: the rank checks it is still routed and registers again, so the instance does not
+    // answer 503 until every rank restarts.
+    let keeper = attempted.then(|| {
+        let mut reg =
+            rank_registration(&args.model, &engine.endpoint().host, engine.endpoint().port);
+        reg.prefill_http_port = http_port;
+        rt.spawn(keep_registered(
+            args.bootstrap_host.clone(),
+            args.bootstrap_port,
+            reg,
+            validate::duration(args.reregister_interval),
+            ready.clone(),
+        ))
+    });
     let timeout = validate::duration(args.lifecycle.shutdown_timeout);
     let code = rt.block_on(async {
         let fatal = wait_fatal(engine.clone());
@@ -248,6 +267,9 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
                 return EXIT_WORKER_FAILED;
             }
         };
+        if let Some(k) = &keeper {
+            k.abort();
+        }
         let code = drain(&engine, &ready, sig, timeout).await;
         if let Some(s) = server {
             // /health answered until now, so decodes' heartbeats saw a live prefill while it drained.
@@ -264,6 +286,66 @@ pub fn run(args: PrefillArgs) -> Result<i32> {
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(code)
 }
+
+/// Checks every `interval` that the bootstrap server at `host:port` routes this rank to its
+/// inbox, and registers it again (one `PUT /route`) when not — the server restarted empty, or
+/// dropped the rank as unhealthy. Logs each re-registration at info and counts it
+/// (`kvx_prefill_reregistrations_total`); `/ready` turns 200 once registered. Runs until
+/// aborted.
+async fn keep_registered(
+    host: String,
+    port: u16,
+    reg: RankRegistration,
+    interval: Duration,
+    ready: Readiness,
+) {
+    let client = match BootstrapClient::new(&host, port) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "bootstrap client not built: no re-registration");
+            return;
+        }
+    };
+    let bootstrap = format!("{host}:{port}");
+    let (mut reachable, mut taken) = (true, false);
+    loop {
+        tokio::time::sleep(interval).await;
+        match client.ensure_registered(&reg, RE_REGISTER_TIMEOUT).await {
+            Ok(Registration::Present) => {}
+            Ok(Registration::Registered) => {
+                metrics::counter!("kvx_prefill_reregistrations_total").increment(1);
+                tracing::info!(
+                    %bootstrap,
+                    tp_rank = reg.attn_tp_rank,
+                    inbox = %format!("{}:{}", reg.rank_ip, reg.rank_port),
+                    "rank registered again with the bootstrap server"
+                );
+                ready.set_ready();
+            }
+            Ok(Registration::Taken(other)) if !std::mem::replace(&mut taken, true) => {
+                tracing::warn!(
+                    %bootstrap,
+                    tp_rank = reg.attn_tp_rank,
+                    other = %format!("{}:{}", other.rank_ip, other.rank_port),
+                    "the bootstrap server routes this rank to another inbox (a newer process?)"
+                );
+                continue;
+            }
+            Ok(Registration::Taken(_)) => continue,
+            Err(e) => {
+                if reachable {
+                    tracing::warn!(%bootstrap, error = %e, "bootstrap server unreachable; will register again when it is back");
+                }
+                reachable = false;
+                continue;
+            }
+        }
+        (reachable, taken) = (true, false);
+    }
+}
+
+/// Timeout of one re-registration request.
+const RE_REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Resolves with the rank's fatal worker error (polled off the runtime, so it never keeps the
 /// process alive: the thread exits once the receiver is gone).

@@ -352,6 +352,41 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         Kind::Counter,
         "PUT /route retries",
     ),
+    (
+        "kvx_bootstrap_ranks_dropped_total",
+        Kind::Counter,
+        "Prefill ranks the bootstrap server dropped because neither their inbox nor their /health answered",
+    ),
+    (
+        "kvx_bootstrap_registered_ranks",
+        Kind::Gauge,
+        "Prefill ranks the bootstrap server routes to",
+    ),
+    (
+        "kvx_prefill_reregistrations_total",
+        Kind::Counter,
+        "Times this prefill rank registered again with a bootstrap server that did not route it",
+    ),
+    (
+        "kvx_decode_prefill_instances_lost_total",
+        Kind::Counter,
+        "Prefill instances whose bootstrap heartbeats failed (resolved again by the next room)",
+    ),
+    (
+        "kvx_decode_prefill_ranks_lost_total",
+        Kind::Counter,
+        "Prefill ranks whose inbox stopped answering (their rooms failed)",
+    ),
+    (
+        "kvx_decode_prefill_reregistrations_total",
+        Kind::Counter,
+        "Registrations sent again to a prefill rank that restarted or moved",
+    ),
+    (
+        "kvx_decode_rooms_stuck",
+        Kind::Gauge,
+        "Decode rooms held longer than 5 s",
+    ),
     // data plane
     (
         "kvx_transport_batches_total",
@@ -547,6 +582,7 @@ pub const PREFILL_ZERO_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("kvx_staging_wait_timeouts_total", &[]),
     ("kvx_staging_room_failures_total", &[]),
     ("kvx_batches_skipped_total", &[("reason", "session_dead")]),
+    ("kvx_prefill_reregistrations_total", &[]),
 ];
 
 /// A decode's counters registered at zero at startup.
@@ -557,6 +593,9 @@ pub const DECODE_ZERO_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("kvx_decode_rooms_total", &[("result", "corrupt")]),
     ("kvx_decode_abort_release_timeouts_total", &[]),
     ("kvx_decode_late_writes_total", &[]),
+    ("kvx_decode_prefill_instances_lost_total", &[]),
+    ("kvx_decode_prefill_ranks_lost_total", &[]),
+    ("kvx_decode_prefill_reregistrations_total", &[]),
 ];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.

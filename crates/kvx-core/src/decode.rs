@@ -81,6 +81,12 @@ pub enum DecodeEvent {
         /// `host:port` of the bootstrap server.
         bootstrap_addr: String,
     },
+    /// A prefill rank's inbox stopped answering (its process died or moved): every held room
+    /// sent to that inbox fails, without an `ABORT` (nothing there could acknowledge it).
+    RankLost {
+        /// The rank's inbox.
+        endpoint: Endpoint,
+    },
     /// The local scheduler aborted the request.
     LocalAbort {
         /// The room.
@@ -106,6 +112,12 @@ pub enum DecodeFailure {
     LostConnection {
         /// The bootstrap server.
         bootstrap_addr: String,
+    },
+    /// A prefill rank of the room stopped answering (see [`DecodeEvent::RankLost`]).
+    #[error("Lost connection with prefill rank at {endpoint}")]
+    RankLost {
+        /// The rank's inbox.
+        endpoint: Endpoint,
     },
     /// Waited too long for the prefill.
     #[error("Request timed out after {:.1}s in KVPoll.WaitingForInput", .elapsed.as_secs_f64())]
@@ -165,6 +177,28 @@ struct DecodeRoom {
     waiting_since: Option<Instant>,
     /// When the room times out in `WaitingForInput` (its entry in `deadlines`).
     deadline: Option<Instant>,
+    created: Instant,
+}
+
+/// A room that has been held for a while, as [`DecodeManager::waiting`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitingRoom {
+    /// The room.
+    pub room: Room,
+    /// Its status (`Bootstrapping` or `WaitingForInput`).
+    pub status: KVPoll,
+    /// `host:port` of its prefill's bootstrap server.
+    pub bootstrap_addr: String,
+    /// Inboxes of its prefill ranks (empty before `Init`).
+    pub endpoints: Vec<Endpoint>,
+    /// Prefill ranks that reported Success so far.
+    pub responded: Vec<u32>,
+    /// Distinct prefill ranks that must report Success.
+    pub required: u32,
+    /// The metadata went out (the waiting timeout runs).
+    pub metadata_sent: bool,
+    /// Time since the room was created.
+    pub elapsed: Duration,
 }
 
 /// The decode side's room manager.
@@ -241,6 +275,7 @@ impl DecodeManager {
                         generational_aborts: false,
                         waiting_since: None,
                         deadline: None,
+                        created: now,
                     },
                 );
             }
@@ -321,6 +356,22 @@ impl DecodeManager {
                     self.fail(room, why, false, out);
                 }
             }
+            DecodeEvent::RankLost { endpoint } => {
+                let mut rooms: Vec<Room> = self
+                    .rooms
+                    .iter()
+                    .filter(|(_, r)| r.endpoints.contains(&endpoint))
+                    .map(|(&room, _)| room)
+                    .collect();
+                // Room order, not hash order (replay).
+                rooms.sort_unstable();
+                for room in rooms {
+                    let why = DecodeFailure::RankLost {
+                        endpoint: endpoint.clone(),
+                    };
+                    self.fail(room, why, false, out);
+                }
+            }
             DecodeEvent::LocalAbort { room } => {
                 self.get(room)?;
                 self.fail(room, DecodeFailure::Aborted, true, out);
@@ -346,6 +397,30 @@ impl DecodeManager {
             }
         }
         Ok(())
+    }
+
+    /// Rooms held longer than `longer_than` since they were created, in room order: what each
+    /// still waits for (operators' "why is this room stuck" view).
+    pub fn waiting(&self, now: Instant, longer_than: Duration) -> Vec<WaitingRoom> {
+        let mut v: Vec<WaitingRoom> = self
+            .rooms
+            .iter()
+            .filter_map(|(&room, r)| {
+                let elapsed = now.saturating_duration_since(r.created);
+                (elapsed > longer_than).then(|| WaitingRoom {
+                    room,
+                    status: r.status,
+                    bootstrap_addr: r.bootstrap_addr.clone(),
+                    endpoints: r.endpoints.clone(),
+                    responded: r.responded.clone(),
+                    required: r.required,
+                    metadata_sent: r.waiting_since.is_some(),
+                    elapsed,
+                })
+            })
+            .collect();
+        v.sort_unstable_by_key(|w| w.room);
+        v
     }
 
     fn get(&mut self, room: Room) -> Result<&mut DecodeRoom, DecodeError> {
@@ -664,6 +739,40 @@ mod tests {
             }
         );
         assert_eq!(m.poll(room(2)), Some(KVPoll::Bootstrapping));
+    }
+
+    #[test]
+    fn a_lost_rank_fails_only_rooms_sent_to_it_without_abort() {
+        let now = Instant::now();
+        let mut m = DecodeManager::default();
+        setup(&mut m, now, room(1), 2);
+        let mut out = Vec::new();
+        m.handle(
+            now,
+            DecodeEvent::Created {
+                room: room(2),
+                bootstrap_addr: "10.0.0.1:8998".into(),
+            },
+            &mut out,
+        )
+        .unwrap();
+        m.handle(now, DecodeEvent::RankLost { endpoint: ep(2) }, &mut out)
+            .unwrap();
+        assert_eq!(
+            out,
+            vec![DecodeAction::Concluded {
+                room: room(1),
+                status: KVPoll::Failed,
+                reason: Some(DecodeFailure::RankLost { endpoint: ep(2) })
+            }]
+        );
+        assert_eq!(m.poll(room(2)), Some(KVPoll::Bootstrapping));
+        let later = now + Duration::from_secs(6);
+        let w = m.waiting(later, Duration::from_secs(5));
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].room, room(2));
+        assert!(!w[0].metadata_sent);
+        assert!(m.waiting(later, Duration::from_secs(7)).is_empty());
     }
 
     #[test]

@@ -100,6 +100,17 @@ impl Default for RetryPolicy {
     }
 }
 
+/// What [`BootstrapClient::ensure_registered`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Registration {
+    /// The server routes the rank to this inbox already.
+    Present,
+    /// The rank was missing (or the instance incomplete) and was registered now.
+    Registered,
+    /// The server routes the rank to another inbox.
+    Taken(RankInfo),
+}
+
 /// A client for one bootstrap server (`http://host:port`).
 #[derive(Clone, Debug)]
 pub struct BootstrapClient {
@@ -204,6 +215,38 @@ impl BootstrapClient {
         }
     }
 
+    /// Makes sure the server has `reg`: asks for the rank's own route and, unless the server
+    /// answers with this rank's inbox, registers it with one `PUT /route` (a restarted
+    /// bootstrap server knows nothing; a `503` cannot tell whether this rank is missing, and
+    /// an identical re-registration is idempotent on a kvx server). Returns
+    /// [`Registration::Present`], [`Registration::Registered`], or
+    /// [`Registration::Taken`] when another inbox holds the rank's slot (left alone: the
+    /// newer process wins); an error when the server cannot be reached.
+    pub async fn ensure_registered(
+        &self,
+        reg: &RankRegistration,
+        timeout: Duration,
+    ) -> Result<Registration, ClientError> {
+        let q = RouteQuery {
+            dp_rank: i64::from(reg.dp_group()),
+            cp_rank: i64::from(reg.attn_cp_rank),
+            tp_rank: i64::from(reg.attn_tp_rank),
+            pp_rank: i64::from(reg.pp_rank),
+        };
+        match self.rank_info(q).await {
+            Ok(ri) if ri.rank_ip == reg.rank_ip && ri.rank_port == reg.rank_port => {
+                return Ok(Registration::Present);
+            }
+            Ok(ri) => return Ok(Registration::Taken(ri)),
+            Err(ClientError::Status {
+                status: 404 | 503, ..
+            }) => {}
+            Err(e) => return Err(e),
+        }
+        self.put_route(reg, timeout).await?;
+        Ok(Registration::Registered)
+    }
+
     async fn get_route(&self, q: RouteQuery) -> Result<Bytes, ClientError> {
         let resp = self
             .http
@@ -281,4 +324,15 @@ impl BootstrapClient {
             .await?;
         Self::expect_ok(resp).await.map(|_| ())
     }
+}
+
+/// True when a TCP connection to `host:port` opens within `timeout`; it is closed at once
+/// without a byte sent. This is how a process is told alive behind a port that speaks no HTTP
+/// (a prefill rank's ZMQ inbox: libzmq drops a peer that closes before its greeting).
+pub async fn tcp_alive(host: &str, port: u16, timeout: Duration) -> bool {
+    let addr = (host.trim_matches(['[', ']']), port);
+    matches!(
+        tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
 }

@@ -4,8 +4,9 @@
 //!
 //! Semantics follow sglang's bootstrap server (spec §1.2): topology scalars are
 //! first-writer-wins, every `PUT /route` increments the registered count (a restarted rank
-//! double counts, as in sglang), and the instance is ready once all four sizes are known and
-//! `registered >= dp·cp·tp·pp`.
+//! double counts, as in sglang) except one naming the inbox its slot already has (a live rank
+//! re-registering with a restarted server, which kvx ranks do periodically, is idempotent),
+//! and the instance is ready once all four sizes are known and `registered >= dp·cp·tp·pp`.
 //!
 //! sglang 0.5.23's additions are kept as that release keeps them — `kv_layout` first non-null
 //! wins, `enable_kv_cache_sharding` first registration wins, `dsv41_spec_layout` and
@@ -46,6 +47,17 @@ impl RouteQuery {
     pub fn is_sentinel(&self) -> bool {
         *self == Self::SENTINEL
     }
+}
+
+/// A registered rank as [`Registry::ranks`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RegisteredRank {
+    /// Its coordinates.
+    pub at: RouteQuery,
+    /// Its ZMQ inbox.
+    pub info: RankInfo,
+    /// The `prefill_http_port` it registered (its `/health`), if any.
+    pub http_port: Option<u16>,
 }
 
 /// What a `GET /route` resolves to.
@@ -122,6 +134,8 @@ fn set_once<T>(slot: &mut Option<T>, value: Option<T>) {
 pub struct Registry {
     topology: Topology,
     ranks: HashMap<(i64, i64, i64, i64), RankInfo>,
+    /// Each rank's own `prefill_http_port` (where its `/health` is), when it sent one.
+    rank_http: HashMap<(i64, i64, i64, i64), u16>,
     registered: u64,
     room_to_dp_rank: HashMap<u64, (i64, Instant)>,
 }
@@ -175,18 +189,74 @@ impl Registry {
             i64::from(r.attn_tp_rank),
             i64::from(r.pp_rank),
         );
-        self.ranks.insert(
-            key,
-            RankInfo {
-                rank_ip: r.rank_ip.clone(),
-                rank_port: r.rank_port,
-            },
-        );
-        self.registered += 1;
+        let info = RankInfo {
+            rank_ip: r.rank_ip.clone(),
+            rank_port: r.rank_port,
+        };
+        // The same rank process registering again (a prefill making sure a restarted server
+        // knows it) is idempotent; another process in the slot counts again, as in sglang.
+        if self.ranks.get(&key) != Some(&info) {
+            self.registered += 1;
+        }
+        self.ranks.insert(key, info);
+        match r.prefill_http_port {
+            Some(p) => self.rank_http.insert(key, p),
+            None => self.rank_http.remove(&key),
+        };
         Ok(())
     }
 
-    /// How many `PUT /route` calls were recorded (re-registrations included).
+    /// Every registered rank: its coordinates, inbox and `/health` port (for health checks).
+    pub fn ranks(&self) -> Vec<RegisteredRank> {
+        let mut v: Vec<RegisteredRank> = self
+            .ranks
+            .iter()
+            .map(
+                |(&(dp_rank, cp_rank, tp_rank, pp_rank), info)| RegisteredRank {
+                    at: RouteQuery {
+                        dp_rank,
+                        cp_rank,
+                        tp_rank,
+                        pp_rank,
+                    },
+                    info: info.clone(),
+                    http_port: self
+                        .rank_http
+                        .get(&(dp_rank, cp_rank, tp_rank, pp_rank))
+                        .copied(),
+                },
+            )
+            .collect();
+        v.sort_unstable_by_key(|r| (r.at.dp_rank, r.at.cp_rank, r.at.tp_rank, r.at.pp_rank));
+        v
+    }
+
+    /// The inbox registered at `at`, ready or not.
+    pub fn rank(&self, at: RouteQuery) -> Option<&RankInfo> {
+        self.ranks
+            .get(&(at.dp_rank, at.cp_rank, at.tp_rank, at.pp_rank))
+    }
+
+    /// Drops the rank at `at` if its slot still holds `info` (a rank that registered again
+    /// meanwhile is kept); true when dropped. The registered count loses it and never stays
+    /// above the ranks left (sglang's double counts of restarted ranks must not keep an
+    /// instance with a dead rank ready): decodes get `503` until it registers again.
+    pub fn drop_rank(&mut self, at: RouteQuery, info: &RankInfo) -> bool {
+        let key = (at.dp_rank, at.cp_rank, at.tp_rank, at.pp_rank);
+        if self.ranks.get(&key) != Some(info) {
+            return false;
+        }
+        self.ranks.remove(&key);
+        self.rank_http.remove(&key);
+        self.registered = self
+            .registered
+            .saturating_sub(1)
+            .min(self.ranks.len() as u64);
+        true
+    }
+
+    /// How many `PUT /route` calls were recorded (re-registrations by another inbox included,
+    /// repeats of a slot's current inbox not).
     pub fn registered(&self) -> u64 {
         self.registered
     }
@@ -458,6 +528,36 @@ mod tests {
         // sglang counts the restarted rank twice: "ready" although rank 1 never came.
         assert!(r.is_ready());
         assert_eq!(r.registered(), 2);
+    }
+
+    #[test]
+    fn a_dropped_rank_is_not_routed_and_the_instance_waits_for_it_again() {
+        let mut r = Registry::new();
+        r.register_rank(&reg(2, 0, 5000)).unwrap();
+        r.register_rank(&reg(2, 1, 5001)).unwrap();
+        // A repeat of the same inbox is not counted; a restart elsewhere is (sglang).
+        r.register_rank(&reg(2, 1, 5001)).unwrap();
+        assert_eq!(r.registered(), 2);
+        r.register_rank(&reg(2, 1, 5003)).unwrap();
+        assert_eq!(r.registered(), 3);
+        let at = RouteQuery {
+            dp_rank: 0,
+            cp_rank: 0,
+            tp_rank: 1,
+            pp_rank: 0,
+        };
+        let stale = RankInfo {
+            rank_ip: "10.0.0.1".into(),
+            rank_port: 5001,
+        };
+        assert!(!r.drop_rank(at, &stale), "the slot moved on");
+        let cur = r.rank(at).unwrap().clone();
+        assert!(r.drop_rank(at, &cur));
+        assert!(!r.is_ready());
+        assert_eq!(r.route(at), RouteAnswer::NotReady(1));
+        assert_eq!(r.ranks().len(), 1);
+        r.register_rank(&reg(2, 1, 5004)).unwrap();
+        assert!(r.is_ready());
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! The axum bootstrap server: routes of spec §1.2 over a shared [`Registry`], bound to a given
-//! address (port 0 allowed), a periodic sweep of the room → dp-rank table, graceful shutdown,
+//! address (port 0 allowed), a periodic sweep of the room → dp-rank table, optional health
+//! checks that drop ranks whose inbox and `/health` stop answering (so decodes get no route to
+//! a dead rank; the instance answers `503` until it registers again), graceful shutdown,
 //! and an open [`Router`] so an embedding binary can mount more routes (e.g. `/metrics`).
 //!
 //! Status codes and texts are sglang's. Where sglang answers malformed input with an accidental
@@ -27,8 +29,9 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use super::client::{BootstrapClient, tcp_alive};
 use super::pyjson::{self, PyValue, opt_int};
-use super::registry::{Registry, RouteAnswer, RouteQuery};
+use super::registry::{RegisteredRank, Registry, RouteAnswer, RouteQuery};
 use super::types::{PrefillServerInfo, RankRegistration};
 
 /// Server settings.
@@ -38,6 +41,12 @@ pub struct ServerConfig {
     pub dp_rank_entry_ttl: Duration,
     /// How often the room → dp-rank table is swept (sglang: 120 s).
     pub sweep_interval: Duration,
+    /// How often every registered rank is checked (`None`: never, as sglang). A rank is
+    /// alive when its inbox accepts a TCP connection or, failing that, its `/health` (at the
+    /// `prefill_http_port` it registered) answers 200.
+    pub rank_health_interval: Option<Duration>,
+    /// Consecutive failed checks before a rank is dropped (logged at warn with the rank).
+    pub rank_health_max_failures: u32,
 }
 
 impl Default for ServerConfig {
@@ -45,7 +54,76 @@ impl Default for ServerConfig {
         ServerConfig {
             dp_rank_entry_ttl: Duration::from_secs(120),
             sweep_interval: Duration::from_secs(120),
+            rank_health_interval: None,
+            rank_health_max_failures: 2,
         }
+    }
+}
+
+/// How long one probe of a rank (connect, or `/health`) may take.
+const RANK_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// True when the rank answers: its inbox accepts a connection, or its `/health` says 200.
+async fn rank_alive(rank: &RegisteredRank) -> bool {
+    let ip = rank.info.rank_ip.as_str();
+    if tcp_alive(ip, rank.info.rank_port, RANK_PROBE_TIMEOUT).await {
+        return true;
+    }
+    let Some(port) = rank.http_port else {
+        return false;
+    };
+    match BootstrapClient::new(ip, port) {
+        Ok(c) => c.health().await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// Checks every registered rank each `interval` and drops one that failed `max_failures`
+/// checks in a row (the registry keeps a slot that registered again meanwhile).
+async fn check_ranks(state: BootstrapState, interval: Duration, max_failures: u32) {
+    let mut failures: HashMap<RegisteredRank, u32> = HashMap::new();
+    let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let ranks = state.lock().ranks();
+        let mut probes = tokio::task::JoinSet::new();
+        for r in ranks.iter().cloned() {
+            probes.spawn(async move {
+                let alive = rank_alive(&r).await;
+                (r, alive)
+            });
+        }
+        let mut seen = HashMap::new();
+        while let Some(res) = probes.join_next().await {
+            let Ok((r, alive)) = res else { continue };
+            let n = if alive {
+                0
+            } else {
+                failures.get(&r).copied().unwrap_or(0) + 1
+            };
+            if n >= max_failures.max(1) {
+                let dropped = state.lock().drop_rank(r.at, &r.info);
+                if dropped {
+                    tracing::warn!(
+                        dp = r.at.dp_rank,
+                        cp = r.at.cp_rank,
+                        tp = r.at.tp_rank,
+                        pp = r.at.pp_rank,
+                        ip = %r.info.rank_ip,
+                        port = r.info.rank_port,
+                        http_port = ?r.http_port,
+                        failures = n,
+                        "prefill rank dropped: neither its inbox nor its /health answers"
+                    );
+                    metrics::counter!("kvx_bootstrap_ranks_dropped_total").increment(1);
+                }
+                continue;
+            }
+            seen.insert(r, n);
+        }
+        failures = seen;
+        metrics::gauge!("kvx_bootstrap_registered_ranks").set(state.lock().ranks().len() as f64);
     }
 }
 
@@ -305,6 +383,8 @@ pub struct BootstrapServer {
     stop: Option<oneshot::Sender<()>>,
     serve: Option<JoinHandle<io::Result<()>>>,
     sweeper: JoinHandle<()>,
+    /// The rank health checks ([`ServerConfig::rank_health_interval`]).
+    health: Option<JoinHandle<()>>,
 }
 
 impl BootstrapServer {
@@ -348,6 +428,13 @@ impl BootstrapServer {
                 }
             }
         });
+        let health = config.rank_health_interval.map(|every| {
+            tokio::spawn(check_ranks(
+                state.clone(),
+                every,
+                config.rank_health_max_failures,
+            ))
+        });
         tracing::info!(%addr, "bootstrap server listening");
         Ok(BootstrapServer {
             addr,
@@ -355,6 +442,7 @@ impl BootstrapServer {
             stop: Some(stop),
             serve: Some(serve),
             sweeper,
+            health,
         })
     }
 
@@ -374,6 +462,9 @@ impl BootstrapServer {
             let _ = stop.send(());
         }
         self.sweeper.abort();
+        if let Some(h) = &self.health {
+            h.abort();
+        }
         match self.serve.take() {
             Some(task) => task.await.map_err(io::Error::other)?,
             None => Ok(()),
@@ -390,6 +481,9 @@ impl BootstrapServer {
 impl Drop for BootstrapServer {
     fn drop(&mut self) {
         self.sweeper.abort();
+        if let Some(h) = &self.health {
+            h.abort();
+        }
         if let Some(task) = &self.serve {
             task.abort();
         }

@@ -2,9 +2,12 @@
 //! scheduler, over memory the scheduler owns. The scheduler allocates a room's KV pages and aux
 //! row itself and calls [`DecodeEngine::open_room`]; the engine resolves the room's prefill
 //! instance (sentinel, §4.3 rank mapping and per-rank routes, one registration per prefill rank,
-//! once per bootstrap address, then a heartbeat to it), sends the room's metadata to every target
-//! rank and tracks its status (`kvx-core`'s `DecodeManager`: distinct-rank success counting,
-//! waiting timeout with `ABORT`, heartbeat loss). The outcome is read by polling
+//! once per bootstrap address, then a heartbeat to it and a watcher of its ranks), sends the
+//! room's metadata to every target rank and tracks its status (`kvx-core`'s `DecodeManager`:
+//! distinct-rank success counting, waiting timeout with `ABORT`, heartbeat loss, a lost rank).
+//! Recovery: an instance whose heartbeats failed is resolved again by the next room; a rank
+//! whose inbox stops answering fails its rooms, and once the bootstrap server names its new
+//! inbox (it restarted) or the old one answers again, the engine registers with it again. The outcome is read by polling
 //! ([`DecodeEngine::poll`], [`RoomHandle::poll`]), from the event channel
 //! ([`DecodeEngine::take_events`]: [`DecodeEngineEvent::Done`], then
 //! [`DecodeEngineEvent::Released`]) or by awaiting [`RoomHandle::wait`].
@@ -53,7 +56,9 @@ use kvx_core::{KVPoll, Room};
 use tokio::sync::{Notify, OnceCell, watch};
 use tokio::task::JoinHandle;
 
-use super::{DecodeConfig, Peer, Topology, connect_prefill, heartbeat, lock, start_peer, ticker};
+use super::{
+    DecodeConfig, Peer, Topology, connect_prefill, heartbeat, lock, start_peer, ticker, watch_ranks,
+};
 use crate::model::KvLayout;
 use crate::plane::{Backend, DataPlane};
 use crate::region::Region;
@@ -570,17 +575,25 @@ impl Inner {
         addr: &str,
         client: &BootstrapClient,
     ) -> Result<Arc<Topology>> {
-        let cell = lock(&self.prefills)
-            .entry(addr.to_owned())
-            .or_default()
-            .clone();
+        let cell = {
+            let mut prefills = lock(&self.prefills);
+            let cell = prefills.entry(addr.to_owned()).or_default();
+            // A lost instance (heartbeats failed) is resolved again: its ranks may be back,
+            // at other inboxes, and need this decode's registration again.
+            if cell.get().is_some_and(|t| t.dead.load(Ordering::Relaxed)) {
+                *cell = Arc::default();
+            }
+            cell.clone()
+        };
         let topo = cell
             .get_or_try_init(|| async {
                 let tries = self.bootstrap_tries;
                 let topo =
                     Arc::new(connect_prefill(&self.peer, client, addr.to_owned(), tries).await?);
                 let hb = tokio::spawn(heartbeat(self.peer.clone(), client.clone(), topo.clone()));
-                lock(&self.tasks).push(hb);
+                let watch =
+                    tokio::spawn(watch_ranks(self.peer.clone(), client.clone(), topo.clone()));
+                lock(&self.tasks).extend([hb, watch]);
                 anyhow::Ok(topo)
             })
             .await?;
@@ -607,16 +620,35 @@ async fn room_task(
             return;
         }
     };
+    // A rank known down: its route is looked at again now; the room waits for it as long as
+    // a resolution would (the rank may be restarting), then fails.
+    if topo.down_target().is_some() {
+        topo.check.notify_one();
+        let deadline =
+            Instant::now() + Duration::from_secs(u64::from(inner.bootstrap_tries.max(1)));
+        while topo.down_target().is_some()
+            && Instant::now() < deadline
+            && !inner.abandoned(room)
+            && !topo.dead.load(Ordering::Relaxed)
+        {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     // Nothing went out for the room yet: a dropped handle or a dead prefill fails it quietly.
     let early = if inner.abandoned(room) {
-        Some(ABANDONED)
+        Some(ABANDONED.to_owned())
     } else if topo.dead.load(Ordering::Relaxed) {
-        Some("Lost connection with prefill instance")
+        Some("Lost connection with prefill instance".to_owned())
+    } else if let Some(t) = topo.down_target() {
+        Some(format!(
+            "prefill rank {} at {} unreachable (its route is being resolved again)",
+            t.tp_rank, t.endpoint
+        ))
     } else {
         None
     };
     if let Some(why) = early {
-        inner.conclude(room, KVPoll::Failed, Some(why.to_owned()));
+        inner.conclude(room, KVPoll::Failed, Some(why));
         inner.release(room, false);
         return;
     }
