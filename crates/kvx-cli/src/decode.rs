@@ -195,6 +195,8 @@ struct Peer {
     freed: Notify,
     /// Room state: `kvx-core`'s decode manager (statuses, waiting timeout, heartbeat loss).
     rooms: Mutex<DecodeManager>,
+    /// Woken when the manager's earliest deadline moved earlier (the ticker sleeps until it).
+    deadline_moved: Notify,
     /// The task of each held room, told its outcome when the manager concludes the room.
     waiters: Mutex<HashMap<Room, oneshot::Sender<Outcome>>>,
     outbox: Outbox,
@@ -239,7 +241,16 @@ impl Peer {
     #[must_use]
     fn handle(&self, event: DecodeEvent, reason: Option<&str>) -> Vec<Abort> {
         let mut out = Vec::new();
-        let r = lock(&self.rooms).handle(Instant::now(), event, &mut out);
+        let (r, moved) = {
+            let mut rooms = lock(&self.rooms);
+            let before = rooms.poll_timeout();
+            let r = rooms.handle(Instant::now(), event, &mut out);
+            let after = rooms.poll_timeout();
+            (r, after.is_some_and(|a| before.is_none_or(|b| a < b)))
+        };
+        if moved {
+            self.deadline_moved.notify_one();
+        }
         if let Err(e) = r {
             tracing::debug!(error = %e, "decode event dropped");
         }
@@ -692,6 +703,7 @@ async fn start_peer(
         )),
         rows: Mutex::new((0..layout.aux_rows).rev().collect()),
         freed: Notify::new(),
+        deadline_moved: Notify::new(),
         rooms: Mutex::new(DecodeManager::new(kvx_core::decode::DecodeConfig {
             waiting_timeout: cfg.waiting_timeout,
         })),
@@ -1378,18 +1390,32 @@ fn log_stuck_rooms(peer: &Peer, now: Instant) {
     }
 }
 
-/// Gives the room manager the time every 100 ms (waiting timeouts) and sends its `ABORT`s.
+/// How often the ticker logs stuck rooms and refreshes the gauges.
+const HOUSEKEEPING: Duration = Duration::from_secs(1);
+
+/// Gives the room manager the time when its earliest deadline is due (`poll_timeout()`, woken
+/// early when a new deadline comes before it) and sends its `ABORT`s; once a second it logs
+/// stuck rooms and refreshes the gauges.
 async fn ticker(peer: Arc<Peer>) {
     let mut last_stuck = Instant::now();
     loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = Instant::now();
-        if now.saturating_duration_since(last_stuck) >= Duration::from_secs(1) {
-            last_stuck = now;
-            log_stuck_rooms(&peer, now);
+        let next = lock(&peer.rooms).poll_timeout();
+        let house = last_stuck + HOUSEKEEPING;
+        let wake = next.map_or(house, |n| n.min(house));
+        tokio::select! {
+            () = tokio::time::sleep_until(wake.into()) => {}
+            () = peer.deadline_moved.notified() => continue,
         }
-        let aborts = peer.handle(DecodeEvent::Tick, None);
-        peer.send_aborts(aborts).await;
+        let now = Instant::now();
+        if next.is_some_and(|n| n <= now) {
+            let aborts = peer.handle(DecodeEvent::Tick, None);
+            peer.send_aborts(aborts).await;
+        }
+        if now < house {
+            continue;
+        }
+        last_stuck = now;
+        log_stuck_rooms(&peer, now);
         metrics::gauge!("kvx_decode_room_entries").set(lock(&peer.rooms).live_entries() as f64);
         if let Some(st) = &peer.stager {
             let (rooms, allocations, fenced) = st.counts();

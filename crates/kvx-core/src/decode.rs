@@ -575,7 +575,6 @@ mod tests {
         let t0 = Instant::now();
         let cfg = DecodeConfig {
             waiting_timeout: Duration::from_secs(10),
-            ..DecodeConfig::default()
         };
         let mut m = DecodeManager::new(cfg);
         assert_eq!(m.poll_timeout(), None);
@@ -618,7 +617,6 @@ mod tests {
         let t0 = Instant::now();
         let mut m = DecodeManager::new(DecodeConfig {
             waiting_timeout: Duration::from_secs(1),
-            ..DecodeConfig::default()
         });
         let r = room(4);
         let mut out = Vec::new();
