@@ -77,18 +77,21 @@ impl AutoTransport {
         if let Some(k) = lock(&self.kinds).get(peer).copied() {
             return Ok(k);
         }
-        if kvx_core::peer::split_instance(peer).1.is_some() {
-            return Ok(PeerKind::Tcp);
-        }
-        let kind = match mooncake::fetch_descriptor(peer, self.probe_timeout).await {
-            Ok(_) => PeerKind::Mooncake,
-            Err(e @ TransportError::WrongProtocol { .. }) => {
+        let probe = if kvx_core::peer::split_instance(peer).1.is_some() {
+            None
+        } else {
+            Some(mooncake::fetch_descriptor(peer, self.probe_timeout).await)
+        };
+        let kind = match probe {
+            None => PeerKind::Tcp,
+            Some(Ok(_)) => PeerKind::Mooncake,
+            Some(Err(e @ TransportError::WrongProtocol { .. })) => {
                 tracing::debug!(%peer, error = %e, "not a Mooncake TE handshake port; using kvx tcp");
                 PeerKind::Tcp
             }
             // Unreachable, silent, or a Mooncake target whose descriptor kvx cannot use (an
             // RDMA segment, say): nothing to fall back to, and nothing to remember.
-            Err(e) => return Err(e),
+            Some(Err(e)) => return Err(e),
         };
         tracing::info!(%peer, backend = kind.name(), "data plane chosen for peer");
         metrics::counter!("kvx_auto_peers_total", "backend" => kind.name()).increment(1);
