@@ -56,9 +56,8 @@ use kvx_core::{KVPoll, Room};
 use tokio::sync::{Notify, OnceCell, watch};
 use tokio::task::JoinHandle;
 
-use super::{
-    DecodeConfig, Peer, Topology, connect_prefill, heartbeat, lock, start_peer, ticker, watch_ranks,
-};
+use super::liveness::{heartbeat, ticker, watch_ranks};
+use super::{DecodeConfig, Peer, Topology, connect_prefill, lock, start_peer};
 use crate::model::KvLayout;
 use crate::plane::{Backend, DataPlane};
 use crate::region::Region;
