@@ -202,6 +202,8 @@ struct Inner {
     /// Resolved prefill instances by bootstrap address (`host:port`); a failed resolution is
     /// retried by the next room.
     prefills: Mutex<HashMap<String, Arc<OnceCell<Arc<Topology>>>>>,
+    /// When each lost instance's bootstrap server was last asked whether it is back.
+    revive_checks: Mutex<HashMap<String, Instant>>,
     rooms: Mutex<HashMap<Room, Slot>>,
     events: Option<Sender<DecodeEngineEvent>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -288,6 +290,7 @@ impl DecodeEngine {
             plane: Mutex::new(Some(plane)),
             rt: tokio::runtime::Handle::current(),
             prefills: Mutex::new(HashMap::new()),
+            revive_checks: Mutex::new(HashMap::new()),
             rooms: Mutex::new(HashMap::new()),
             events: events.then_some(tx),
             bootstrap_tries,
@@ -574,16 +577,56 @@ impl Inner {
         addr: &str,
         client: &BootstrapClient,
     ) -> Result<Arc<Topology>> {
-        let cell = {
-            let mut prefills = lock(&self.prefills);
-            let cell = prefills.entry(addr.to_owned()).or_default();
-            // A lost instance (heartbeats failed) is resolved again: its ranks may be back,
-            // at other inboxes, and need this decode's registration again.
-            if cell.get().is_some_and(|t| t.dead.load(Ordering::Relaxed)) {
-                *cell = Arc::default();
-            }
-            cell.clone()
+        let lost = {
+            let prefills = lock(&self.prefills);
+            prefills
+                .get(addr)
+                .and_then(|c| c.get().cloned())
+                .filter(|t| t.dead.load(Ordering::Relaxed))
         };
+        // A lost instance (heartbeats failed) is resolved again once its bootstrap server
+        // answers: its ranks may be back, at other inboxes, and need this decode's registration
+        // again. Until then its rooms fail at once, and a background task asks the server at
+        // most every REVIVE_CHECK_PERIOD (each within REVIVE_CHECK_TIMEOUT) whether it is back.
+        if let Some(dead) = lost {
+            let now = Instant::now();
+            let due = {
+                let mut checks = lock(&self.revive_checks);
+                let due = checks
+                    .get(addr)
+                    .is_none_or(|at| now.saturating_duration_since(*at) >= REVIVE_CHECK_PERIOD);
+                if due {
+                    checks.insert(addr.to_owned(), now);
+                }
+                due
+            };
+            if due {
+                let (inner, client, addr) = (self.clone(), client.clone(), addr.to_owned());
+                let dead = dead.clone();
+                let task = tokio::spawn(async move {
+                    let back = matches!(
+                        tokio::time::timeout(REVIVE_CHECK_TIMEOUT, client.health()).await,
+                        Ok(Ok(()))
+                    );
+                    if !back {
+                        return;
+                    }
+                    tracing::info!(bootstrap_addr = %addr, "lost prefill instance answers again: the next room resolves it");
+                    let mut prefills = lock(&inner.prefills);
+                    if let Some(cell) = prefills.get_mut(&addr)
+                        && cell.get().is_some_and(|t| Arc::ptr_eq(t, &dead))
+                    {
+                        *cell = Arc::default();
+                    }
+                });
+                lock(&self.tasks).push(task);
+            }
+            return Ok(dead);
+        }
+        let cell = lock(&self.prefills)
+            .entry(addr.to_owned())
+            .or_default()
+            .clone();
         let topo = cell
             .get_or_try_init(|| async {
                 let tries = self.bootstrap_tries;
@@ -599,6 +642,12 @@ impl Inner {
         Ok(topo.clone())
     }
 }
+
+/// How often a lost prefill instance's bootstrap server is asked whether it is back.
+const REVIVE_CHECK_PERIOD: Duration = Duration::from_secs(2);
+
+/// How long that question may take.
+const REVIVE_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One room, from its prefill's resolution to the release of its pages.
 async fn room_task(

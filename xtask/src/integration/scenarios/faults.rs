@@ -233,18 +233,21 @@ pub(crate) fn kill_prefill_verdict(x: &KillPrefillSeen) -> Verdict {
     let (code2, s2) = &x.after;
     // Rooms in flight fail on heartbeat loss with sglang's text naming the prefill's address;
     // rooms the decode starts once it knows the prefill dead fail with the bare text.
+    // The decode's rank watcher may see the rank's inbox gone before the heartbeats do: those
+    // rooms fail naming the rank's inbox.
     let bare = "Lost connection with prefill instance";
     let lost = format!("{bare} (bootstrap_addr: {})", x.boot);
+    let rank_lost = |r: &str| r.starts_with("Lost connection with prefill rank at ");
     let in_flight: u64 = s
         .failure_reasons
         .iter()
-        .filter(|(r, _)| *r == lost)
+        .filter(|(r, _)| *r == lost || rank_lost(r))
         .map(|(_, n)| n)
         .sum();
     let other_reasons: Vec<String> = s
         .failure_reasons
         .iter()
-        .filter(|(r, _)| *r != lost && r != bare)
+        .filter(|(r, _)| *r != lost && r != bare && !rank_lost(r))
         .map(|(r, n)| format!("{n}x {r}"))
         .collect();
     let figures = format!(
@@ -262,7 +265,10 @@ pub(crate) fn kill_prefill_verdict(x: &KillPrefillSeen) -> Verdict {
             s.all_terminal() && s.corrupt == 0 && s.failed > 0,
             format!("after the kill: {}", s.figures()),
         ),
-        (in_flight > 0, format!("no room failed with {lost:?}")),
+        (
+            in_flight > 0,
+            format!("no room failed with {lost:?} or the rank's inbox lost"),
+        ),
         (
             other_reasons.is_empty(),
             format!("the decode failed rooms for another reason than {lost:?}: {other_reasons:?}"),
@@ -712,6 +718,11 @@ mod tests {
         let mut x = kill_prefill_seen();
         x.during.1.failure_reasons[1].0 = "Failed to get kvcache from prefill instance".into();
         fails(&kill_prefill_verdict(&x), "another reason");
+        // Rooms the rank watcher failed first (the rank's inbox gone) count as in flight.
+        let mut x = kill_prefill_seen();
+        x.during.1.failure_reasons[0].0 =
+            "Lost connection with prefill rank at 10.77.0.10:21018".into();
+        assert!(matches!(kill_prefill_verdict(&x), Verdict::Pass(_)));
         let mut x = kill_prefill_seen();
         x.left = 2.0;
         fails(&kill_prefill_verdict(&x), "room entries left");

@@ -197,8 +197,9 @@ pub fn malformed_flood(ctx: &mut Ctx) -> Result<Verdict> {
     let decode_inbox: SocketAddr = field(reg, "endpoint")
         .and_then(|s| s.parse().ok())
         .context("decode endpoint")?;
+    // The session id is `host:port#instance`: the data plane listens on the address part.
     let decode_data: SocketAddr = field(reg, "session")
-        .and_then(|s| s.parse().ok())
+        .and_then(|s| s.split('#').next()?.parse().ok())
         .context("decode session")?;
     let before = ctx.scrape(0, p.metrics)?;
     let boot_addr = boot.addr;
