@@ -524,6 +524,13 @@ impl StagingDriver {
         }
     }
 
+    /// Decode sessions that rooms with staging state wait on (sorted, each once).
+    pub fn sessions(&self) -> Vec<SessionId> {
+        let set: std::collections::BTreeSet<&SessionId> =
+            self.rooms.keys().map(|(_, s)| s).collect();
+        set.into_iter().cloned().collect()
+    }
+
     /// Rooms (per decode session) with staging state.
     pub fn room_count(&self) -> usize {
         self.rooms.len()

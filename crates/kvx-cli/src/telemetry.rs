@@ -231,6 +231,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Staged chunks that waited past --staging-wait-timeout",
     ),
     (
+        "kvx_staging_sessions_lost_total",
+        Kind::Counter,
+        "Decode sessions with staged rooms whose inbox stopped answering (their rooms failed at once)",
+    ),
+    (
         "kvx_staging_room_failures_total",
         Kind::Counter,
         "Rooms failed by the staging driver",
@@ -580,6 +585,7 @@ pub const PREFILL_ZERO_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("kvx_rooms_finished_total", &[("status", "success")]),
     ("kvx_rooms_finished_total", &[("status", "failed")]),
     ("kvx_staging_wait_timeouts_total", &[]),
+    ("kvx_staging_sessions_lost_total", &[]),
     ("kvx_staging_room_failures_total", &[]),
     ("kvx_batches_skipped_total", &[("reason", "session_dead")]),
     ("kvx_prefill_reregistrations_total", &[]),

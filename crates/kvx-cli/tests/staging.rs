@@ -170,7 +170,9 @@ fn oversized_chunks_fail_their_rooms_and_the_prefill_serves_on() {
 #[test]
 fn killed_decode_mid_staging_leaves_nothing_behind() {
     let port = free_port();
-    let _p = prefill(port, 2, &["--staging-wait-timeout", "3"]);
+    // A wait timeout far beyond the guard: the staged rooms must fail because their decode is
+    // gone (a failed write, or the probe of its inbox when nothing was in flight), not by it.
+    let _p = prefill(port, 2, &["--staging-wait-timeout", "600"]);
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
     let mut victim = decode(port, &sa, 1, 0, 12, ENDLESS_LOAD);
@@ -181,10 +183,15 @@ fn killed_decode_mid_staging_leaves_nothing_behind() {
     });
     victim.child().kill().unwrap();
     victim.child().wait().unwrap();
-    // Rooms being written fail on the lost session; parked ones on the wait timeout.
+    // Every room waiting on the victim fails with its session, in flight or parked.
     wait_drained(port);
     let m = metrics(port);
     assert!(metric_sum(&m, "kvx_room_failures_total") >= 1.0, "{m}");
+    assert_eq!(
+        metric_sum(&m, "kvx_staging_wait_timeouts_total"),
+        0.0,
+        "{m}"
+    );
     assert_eq!(metric_sum(&m, "kvx_live_workers"), 4.0, "{m}");
     assert_eq!(metric_sum(&m, "kvx_worker_failures_total"), 0.0, "{m}");
     // New rooms: rank 1 (no metrics here) may still be failing the victim's.

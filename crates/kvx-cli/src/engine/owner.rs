@@ -64,6 +64,8 @@ pub(crate) enum Input {
     Call(Call),
     /// A transfer worker's report.
     Worker(Report),
+    /// A liveness probe found the decode behind a session gone (see `engine/staging.rs`).
+    SessionLost(SessionId),
     /// Stop the loop.
     Stop,
 }
@@ -147,8 +149,8 @@ pub(crate) struct Owner {
     job_queues: Vec<JobQueue>,
     /// Shards whose worker died and was not restarted: their jobs are completed unsent.
     dead_shards: HashSet<usize>,
-    workers: Arc<WorkerCtx>,
-    inputs: SyncSender<Input>,
+    pub(super) workers: Arc<WorkerCtx>,
+    pub(super) inputs: SyncSender<Input>,
     notices: Sender<Notice>,
     events: Option<Sender<EngineEvent>>,
     fatal_tx: Sender<Arc<TransferThreadFailed>>,
@@ -168,6 +170,8 @@ pub(crate) struct Owner {
     /// A worker died and is not restarted: the fault, published once the batches drained.
     dying: Option<(TransferThreadFailed, Instant)>,
     next_housekeeping: Instant,
+    /// Staging sessions probed for liveness, with when the last probe started.
+    pub(super) probed: HashMap<SessionId, Instant>,
 }
 
 impl Owner {
@@ -194,6 +198,7 @@ impl Owner {
             last_chunk: HashMap::new(),
             dying: None,
             next_housekeeping: Instant::now() + HOUSEKEEPING,
+            probed: HashMap::new(),
         }
     }
 
@@ -221,6 +226,7 @@ impl Owner {
             Input::Call(call) => self.call(call),
             Input::Worker(Report::Finished { job, outcome, .. }) => self.finished(job, outcome),
             Input::Worker(Report::Died { shard, job, fault }) => self.died(shard, job, fault),
+            Input::SessionLost(session) => self.session_lost(session),
             Input::Stop => {}
         }
         self.check_dying(false);

@@ -3,15 +3,22 @@
 //! manager); opens a room's staging when its metadata names a session on the staging path;
 //! routes `STAGING_RSP` and `WATERMARK`; expires parked chunks once a second. Everything runs on
 //! the loop's thread, so no lock orders exist: effects are performed after the driver returned.
+//!
+//! A staged room can wait on its decode with nothing in flight (for ring space, for a
+//! watermark), so no failed write would reveal a decode that died. Every [`PROBE_PERIOD`]
+//! while rooms wait on a session, a task tries a TCP connection to that decode's inbox (closed
+//! at once, which ZMQ ignores); a refused or silent one is reported as
+//! [`Input::SessionLost`](super::owner::Input::SessionLost), and the manager fails the session's
+//! open rooms at once instead of after the staging wait timeout.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvx_core::prefill::{PrefillEvent, TransferPath};
 use kvx_core::{Room, SessionId};
 use kvx_staging::{StagingRsp, WatermarkMsg};
 
 use super::Notice;
-use super::owner::Owner;
+use super::owner::{Input, Owner};
 use crate::prefill_staging::{Effect, StagingDriver};
 use crate::worker::Work;
 
@@ -117,8 +124,58 @@ impl Owner {
             metrics::gauge!("kvx_staging_rooms").set(rooms as f64);
             metrics::gauge!("kvx_staging_parked_chunks").set(parked as f64);
         }
+        self.probe_staging_sessions(now);
+    }
+
+    /// Starts a liveness probe of each session staged rooms wait on, at most one per
+    /// [`PROBE_PERIOD`] per session; forgets sessions nothing waits on any more.
+    fn probe_staging_sessions(&mut self, now: Instant) {
+        let sessions = self
+            .staging
+            .as_ref()
+            .map(StagingDriver::sessions)
+            .unwrap_or_default();
+        self.probed.retain(|s, _| sessions.contains(s));
+        for session in sessions {
+            if self
+                .probed
+                .get(&session)
+                .is_some_and(|at| now.saturating_duration_since(*at) < PROBE_PERIOD)
+            {
+                continue;
+            }
+            let Some(inbox) = self.mgr.registration(&session).map(|r| r.endpoint.clone()) else {
+                continue;
+            };
+            self.probed.insert(session.clone(), now);
+            let inputs = self.inputs.clone();
+            self.workers.rt.spawn(async move {
+                if kvx_bootstrap::http::tcp_alive(&inbox.host, inbox.port, PROBE_TIMEOUT).await {
+                    return;
+                }
+                metrics::counter!("kvx_staging_sessions_lost_total").increment(1);
+                tracing::warn!(
+                    %session,
+                    inbox = %inbox,
+                    "decode inbox does not answer: failing the staged rooms waiting on it"
+                );
+                // A full input queue drops the report; the next probe repeats it.
+                let _ = inputs.try_send(Input::SessionLost(session));
+            });
+        }
+    }
+
+    /// A probe found `session`'s decode gone: the manager fails its open rooms.
+    pub(super) fn session_lost(&mut self, session: SessionId) {
+        let _ = self.handle(PrefillEvent::SessionLost { session }, None);
     }
 }
+
+/// How often a session that staged rooms wait on is probed.
+pub(super) const PROBE_PERIOD: Duration = Duration::from_secs(2);
+
+/// How long a probe's TCP connect may take before the decode counts as gone.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn error_kind(e: &kvx_staging::PrefillError) -> &'static str {
     match e {

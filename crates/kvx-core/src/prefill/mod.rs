@@ -318,6 +318,10 @@ impl PrefillManager {
                 self.tick(now, out);
                 Ok(())
             }
+            PrefillEvent::SessionLost { session } => {
+                self.session_lost(now, &session, out);
+                Ok(())
+            }
             PrefillEvent::Fatal { reason } => {
                 // Batches stay outstanding: a room is released (and its decodes told) only once
                 // the driver reported every one of its batches.
@@ -693,9 +697,6 @@ impl PrefillManager {
                 .endpoint_of(&session)
                 .cloned()
                 .unwrap_or_else(|| Endpoint::new(session.as_str(), 0));
-            if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
-                self.failed.insert(session.clone(), until);
-            }
             let err = RoomError::Transfer {
                 room,
                 endpoint,
@@ -704,32 +705,40 @@ impl PrefillManager {
             self.fail(room, err, true, out);
             // sglang's rule: a failed transfer blacklists the decode session; every other open
             // room writing to it fails now rather than one chunk at a time.
-            let mut others: Vec<Room> = self
-                .rooms
-                .iter()
-                .filter(|(r, rs)| {
-                    **r != room
-                        && !rs.status.is_terminal()
-                        && rs
-                            .infos
-                            .iter()
-                            .any(|i| i.session == session && !i.is_dummy())
-                })
-                .map(|(r, _)| *r)
-                .collect();
-            others.sort_unstable();
-            for other in others {
-                let err = RoomError::SessionDead {
-                    room: other,
-                    session: session.clone(),
-                };
-                self.fail(other, err, true, out);
-                self.try_release(other, out);
-            }
+            self.session_lost(now, &session, out);
         }
         self.maybe_succeed(room, out);
         self.try_release(room, out);
         Ok(())
+    }
+
+    /// Blacklists `session` for the failed-session TTL and fails every open room writing to it
+    /// (in room order), each released once nothing of it is in flight.
+    fn session_lost(&mut self, now: Instant, session: &SessionId, out: &mut Vec<PrefillAction>) {
+        if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
+            self.failed.insert(session.clone(), until);
+        }
+        let mut rooms: Vec<Room> = self
+            .rooms
+            .iter()
+            .filter(|(_, rs)| {
+                !rs.status.is_terminal()
+                    && rs
+                        .infos
+                        .iter()
+                        .any(|i| i.session == *session && !i.is_dummy())
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        rooms.sort_unstable();
+        for room in rooms {
+            let err = RoomError::SessionDead {
+                room,
+                session: session.clone(),
+            };
+            self.fail(room, err, true, out);
+            self.try_release(room, out);
+        }
     }
 
     /// A decode's `ABORT`: the room fails (unless already terminal) and its ACK goes out once

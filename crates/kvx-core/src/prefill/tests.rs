@@ -1390,3 +1390,31 @@ fn re_registration_of_a_held_session_fails_its_open_rooms() {
     assert!(batches(&a).is_empty(), "{a:?}");
     assert!(h.mgr.live_entries().is_empty());
 }
+
+#[test]
+fn session_lost_fails_only_that_sessions_open_rooms_and_blacklists_it() {
+    let mut h = Harness::new(PrefillConfig::default());
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.ev(PrefillEvent::Register(registration(3, 1)));
+    let (a, b) = (room(21), room(22));
+    h.open(a);
+    h.open(b);
+    h.ev(PrefillEvent::Metadata(metadata(a, 2, Some(vec![1]), 1)));
+    h.ev(PrefillEvent::Metadata(metadata(b, 3, Some(vec![1]), 1)));
+    let out = h.ev(PrefillEvent::SessionLost {
+        session: session(2),
+    });
+    assert_eq!(statuses(&out), vec![(endpoint(2), KVPoll::Failed)]);
+    assert_eq!(h.mgr.poll(a), None, "nothing in flight: released at once");
+    assert_eq!(h.mgr.poll(b), Some(KVPoll::WaitingForInput));
+    // A room opened for the lost session later fails at its first chunk.
+    let c = room(23);
+    h.open(c);
+    h.ev(PrefillEvent::Metadata(metadata(c, 2, Some(vec![2]), 1)));
+    let out = h.ev(PrefillEvent::Chunk {
+        room: c,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![0]).last(),
+    });
+    assert!(batches(&out).is_empty());
+    assert_eq!(statuses(&out), vec![(endpoint(2), KVPoll::Failed)]);
+}

@@ -173,6 +173,14 @@ pub enum PrefillEvent {
         /// Why (recorded as the room's failure reason).
         reason: String,
     },
+    /// The driver found the decode behind `session` gone without a batch failing (its inbox no
+    /// longer accepts connections while rooms wait on it, e.g. for staging ring space): the
+    /// session is blacklisted like after a failed transfer, and every open room writing to it
+    /// fails now.
+    SessionLost {
+        /// The decode session.
+        session: SessionId,
+    },
     /// Time passed (bootstrap timeouts, unopened-room TTLs, failed-session expiry); send it at
     /// [`super::PrefillManager::poll_timeout`] (earlier or later is harmless).
     Tick,
