@@ -15,6 +15,11 @@
 //! socket loop's in the same repetition (robust to a noisy, shared machine). The last line is
 //! that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection count,
 //! same bytes).
+//! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
+//! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
+//! waiting for its completion) against a plain blocking socket doing the same write followed by
+//! an 8-byte acknowledgement from a reader thread, in rounds of 100 with the two alternating;
+//! p50 / p99 of each and the ratio of the p50s (`latency 4KiB tcp/socket p50 ratio: X.XX`).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
 //! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`.
@@ -119,6 +124,66 @@ fn plan_kv(src_base: u64, dst_base: u64, tokens: usize, page: usize) -> Vec<Tran
         }
     }
     ops
+}
+
+/// A plain blocking socket pair for the latency baseline: the write, then an 8-byte
+/// acknowledgement sent once the reader thread has read every byte.
+struct PingPong {
+    tx: TcpStream,
+    stop: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PingPong {
+    fn new(max: usize) -> PingPong {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        tx.set_nodelay(true).unwrap();
+        let (mut rx, _) = listener.accept().unwrap();
+        rx.set_nodelay(true).unwrap();
+        let stop = std::thread::spawn(move || {
+            let mut buf = vec![0u8; max];
+            let mut len = [0u8; 8];
+            loop {
+                if rx.read_exact(&mut len).is_err() {
+                    return;
+                }
+                let n = u64::from_le_bytes(len) as usize;
+                if rx.read_exact(&mut buf[..n]).is_err() || rx.write_all(&[1u8; 8]).is_err() {
+                    return;
+                }
+            }
+        });
+        PingPong {
+            tx,
+            stop: Some(stop),
+        }
+    }
+
+    /// One write of `data` (length prefix and payload in one call) and its acknowledgement.
+    fn once(&mut self, frame: &[u8]) -> Duration {
+        let t = Instant::now();
+        self.tx.write_all(frame).unwrap();
+        let mut ack = [0u8; 8];
+        self.tx.read_exact(&mut ack).unwrap();
+        t.elapsed()
+    }
+}
+
+impl Drop for PingPong {
+    fn drop(&mut self) {
+        let _ = self.tx.shutdown(std::net::Shutdown::Both);
+        if let Some(h) = self.stop.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i].as_secs_f64() * 1e6
 }
 
 struct Row {
@@ -278,6 +343,52 @@ fn main() {
             &dst[doff..doff + op.len as usize]
         );
     }
+    // Single-write latency, tcp backend against a plain socket write + ack.
+    let lat_writes = env_usize("KVX_BENCH_LAT_WRITES", 1000).max(1);
+    let mut lat_lines = Vec::new();
+    for size in [4usize << 10, 64 << 10, 1 << 20] {
+        let mut pp = PingPong::new(size);
+        let mut frame = (size as u64).to_le_bytes().to_vec();
+        frame.extend_from_slice(&src[..size]);
+        let op = TransferOp::new(s, d, size as u64);
+        let (mut t_tcp, mut t_sock) = (Vec::new(), Vec::new());
+        for _ in 0..20 {
+            pp.once(&frame);
+            rt.block_on(session.write_batch(vec![op])).unwrap();
+        }
+        let mut left = lat_writes;
+        while left > 0 {
+            let n = left.min(100);
+            left -= n;
+            for _ in 0..n {
+                t_sock.push(pp.once(&frame));
+            }
+            for _ in 0..n {
+                let t = Instant::now();
+                rt.block_on(session.write_batch(vec![op])).unwrap();
+                t_tcp.push(t.elapsed());
+            }
+        }
+        t_tcp.sort_unstable();
+        t_sock.sort_unstable();
+        let label = if size >= 1 << 20 {
+            format!("{}MiB", size >> 20)
+        } else {
+            format!("{}KiB", size >> 10)
+        };
+        lat_lines.push(format!(
+            "| {label} | {:.0} / {:.0} | {:.0} / {:.0} | {:.2} |",
+            percentile(&t_tcp, 0.5),
+            percentile(&t_tcp, 0.99),
+            percentile(&t_sock, 0.5),
+            percentile(&t_sock, 0.99),
+            percentile(&t_tcp, 0.5) / percentile(&t_sock, 0.5)
+        ));
+        lat_lines.push(format!(
+            "latency {label} tcp/socket p50 ratio: {:.2}",
+            percentile(&t_tcp, 0.5) / percentile(&t_sock, 0.5)
+        ));
+    }
     drop((session, client, server));
     drop(rt);
     drop(rt_recv);
@@ -304,4 +415,16 @@ fn main() {
         "tcp/socket-loop ratio: {:.2}",
         rows[2].paired_ratio(&rows[1])
     );
+    println!();
+    println!(
+        "| single write ({lat_writes} each) | tcp p50 / p99 us | socket write + ack p50 / p99 us | tcp/socket p50 |"
+    );
+    println!("|---|---:|---:|---:|");
+    for l in lat_lines.iter().filter(|l| l.starts_with('|')) {
+        println!("{l}");
+    }
+    println!();
+    for l in lat_lines.iter().filter(|l| !l.starts_with('|')) {
+        println!("{l}");
+    }
 }

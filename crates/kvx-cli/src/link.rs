@@ -2,8 +2,10 @@
 //!
 //! `recv` registers a region with a listening transport and serves writes into it; `send`
 //! learns the region from the session handshake, then posts batches of `--batch` writes of
-//! `--size` bytes over `--connections` connections (one completion per batch, two batches in
-//! flight) until `--total-mib` were written, and reports GB/s. With `--backend mooncake` either
+//! `--size` bytes over `--connections` connections (one completion per batch, `--depth` batches
+//! in flight, default 2) until `--total-mib` were written, and reports GB/s and the percentiles
+//! of each batch's latency, from `write_batch` to its completion (`--depth 1 --batch 1` gives
+//! the round trip of a single write). With `--backend mooncake` either
 //! side speaks Mooncake TE's protocol, so each can be tested against a real Mooncake engine.
 
 use std::sync::Arc;
@@ -70,6 +72,7 @@ pub fn send(args: SendArgs) -> Result<i32> {
             b
         })
     };
+    let mut lat_ns: Vec<u64> = Vec::new();
     let (bytes, secs) = runtime()?.block_on(async {
         let plane = DataPlane::client(
             args.backend,
@@ -103,18 +106,20 @@ pub fn send(args: SendArgs) -> Result<i32> {
                 })
                 .collect()
         };
+        let depth = args.depth.max(1);
         let t0 = Instant::now();
         let mut sent = 0u64;
         let mut k = 0u64;
         let mut inflight = std::collections::VecDeque::new();
         while sent < total || !inflight.is_empty() {
-            while sent < total && inflight.len() < 2 {
-                inflight.push_back(session.write_batch(batch_ops(k)));
+            while sent < total && inflight.len() < depth {
+                inflight.push_back((Instant::now(), session.write_batch(batch_ops(k))));
                 k += batch;
                 sent += size * batch;
             }
-            if let Some(f) = inflight.pop_front() {
+            if let Some((at, f)) = inflight.pop_front() {
                 f.await?;
+                lat_ns.push(at.elapsed().as_nanos() as u64);
                 if let Some(b) = &bar {
                     b.set_position(sent.min(total));
                 }
@@ -132,6 +137,19 @@ pub fn send(args: SendArgs) -> Result<i32> {
         bytes as f64 / (1 << 20) as f64,
         args.connections.max(1),
         bytes as f64 / secs.max(1e-9) / 1e9
+    );
+    lat_ns.sort_unstable();
+    let pct = |q: f64| -> f64 {
+        let i = ((lat_ns.len() as f64 * q).ceil() as usize).clamp(1, lat_ns.len().max(1)) - 1;
+        lat_ns.get(i).copied().unwrap_or(0) as f64 / 1e3
+    };
+    println!(
+        "batch latency over {} batches (depth {}): p50 {:.0} us, p99 {:.0} us, max {:.0} us",
+        lat_ns.len(),
+        args.depth.max(1),
+        pct(0.50),
+        pct(0.99),
+        pct(1.0)
     );
     Ok(0)
 }
