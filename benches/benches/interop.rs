@@ -997,11 +997,7 @@ fn main() {
         );
         lat.push((key, label, p50, p99, v.len()));
     }
-    let p50_of = |k: &str| {
-        lat.iter()
-            .find(|l| l.0 == k)
-            .map_or(f64::NAN, |l| l.2)
-    };
+    let p50_of = |k: &str| lat.iter().find(|l| l.0 == k).map_or(f64::NAN, |l| l.2);
     if do_lat {
         println!(
             "interop/latency tcp/TE p50 ratio: {:.2}",

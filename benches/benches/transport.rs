@@ -12,9 +12,10 @@
 //!
 //! Each case runs `KVX_BENCH_REPS` times (default 5), interleaved. The table shows the best and
 //! median throughput and, per case, the median over repetitions of its throughput divided by the
-//! socket loop's in the same repetition (robust to a noisy, shared machine). The last line is
-//! that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection count,
-//! same bytes).
+//! socket loop's in the same repetition (robust to a noisy, shared machine), and the CPU the
+//! whole process spent on it per GiB (all repetitions, both sides of the copy; `/proc/self/stat`).
+//! Then that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection
+//! count, same bytes).
 //! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
 //! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
 //! waiting for its completion) against a plain blocking socket doing the same write followed by
@@ -191,6 +192,26 @@ struct Row {
     bytes: u64,
     ops: usize,
     runs: Vec<Duration>,
+    /// CPU seconds (user + system, whole process) spent over all repetitions.
+    cpu: f64,
+}
+
+/// CPU seconds (user + system, all threads, exited ones included) used so far by this process
+/// (`/proc/self/stat`, 10 ms ticks; summed over repetitions that is precise to about 1 %).
+fn cpu_secs() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return f64::NAN;
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return f64::NAN;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| {
+        f.get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    (tick(11) + tick(12)) / 100.0
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -302,12 +323,14 @@ fn main() {
             bytes: bulk as u64,
             ops: 1,
             runs: Vec::new(),
+            cpu: 0.0,
         },
         Row {
             name: format!("socket-loop x{conns}"),
             bytes: bulk as u64,
             ops: 1,
             runs: Vec::new(),
+            cpu: 0.0,
         },
     ];
     for (name, ops) in &cases {
@@ -316,6 +339,7 @@ fn main() {
             bytes: TransferOp::total_bytes(ops),
             ops: ops.len(),
             runs: Vec::new(),
+            cpu: 0.0,
         });
     }
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
@@ -323,16 +347,20 @@ fn main() {
     rt.block_on(session.write_batch(cases[0].1.clone()))
         .unwrap();
     for _ in 0..reps {
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), cpu_secs());
         dst[..bulk].copy_from_slice(&src[..bulk]);
         rows[0].runs.push(t.elapsed());
+        rows[0].cpu += cpu_secs() - c;
+        let c = cpu_secs();
         let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
         rows[1].runs.push(t);
+        rows[1].cpu += cpu_secs() - c;
         for (i, (_, ops)) in cases.iter().enumerate() {
             let ops = ops.clone();
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), cpu_secs());
             rt.block_on(session.write_batch(ops)).unwrap();
             rows[2 + i].runs.push(t.elapsed());
+            rows[2 + i].cpu += cpu_secs() - c;
         }
     }
     // Bytes check on the last KV case: the planned destination must equal the source.
@@ -395,19 +423,20 @@ fn main() {
 
     println!();
     println!(
-        "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) |"
+        "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) | CPU ms per GiB |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0} |",
             r.name,
             r.bytes >> 20,
             r.ops,
             r.best().as_secs_f64() * 1e3,
             r.gbps(r.best()),
             median(r.runs.iter().map(|&t| r.gbps(t)).collect()),
-            r.paired_ratio(&rows[1])
+            r.paired_ratio(&rows[1]),
+            r.cpu * 1e3 / (r.bytes as f64 * r.runs.len() as f64 / (1u64 << 30) as f64)
         );
     }
     println!();
