@@ -211,12 +211,13 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
 }
 
 /// The examples `cargo xtask test` runs: (package, example).
-const EXAMPLES: [(&str, &str); 5] = [
+const EXAMPLES: [(&str, &str); 6] = [
     ("kvx-core", "managers"),
     ("kvx-bootstrap", "registration"),
     ("kvx-staging", "ring"),
     ("kvx-rdma", "tcp_batch"),
     ("kvx-cli", "embed"),
+    ("kvx-cli", "embed_decode"),
 ];
 
 fn fuzz(root: &Path, seconds: u64) -> Result<()> {

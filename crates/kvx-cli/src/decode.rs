@@ -20,6 +20,10 @@
 //! With staging ([`DecodeConfig::staging`]) it also
 //! registers and advertises a staging ring and serves `STAGING_REQ` / `CHUNK_READY` through
 //! [`crate::decode_staging`] for rooms from a prefill of another attention-TP size.
+//!
+//! The protocol is [`engine::DecodeEngine`]'s, the embeddable decode rank: [`run`] opens every
+//! room on one (over memory of its own) and adds the load generation — rooms, fragmented page
+//! allocation, byte verification, the drain and the [`Summary`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,20 +43,25 @@ use tokio::sync::{Notify, Semaphore, oneshot};
 
 use crate::decode_staging::{DecodeStager, Outgoing, StagingError};
 use crate::engine::count_dropped;
-use crate::model::{self, KvLayout};
+use crate::model::KvLayout;
 use crate::pages::PageAllocator;
 use crate::plane::DataPlane;
 use crate::region::Region;
 use crate::wire::{self, DecodeInbound};
 
 mod aux;
+pub mod engine;
+
+use engine::DecodeEngine;
 mod release;
 mod summary;
+mod verify;
 
 pub use aux::AuxError;
 use kvx_staging::DecodeError;
 use release::AbortWait;
 pub use summary::{Summary, percentile};
+pub use verify::verify_room;
 
 /// Settings of one decode peer.
 #[derive(Clone, Debug)]
@@ -176,12 +185,9 @@ struct Peer {
     rooms: Mutex<DecodeManager>,
     /// The task of each held room, told its outcome when the manager concludes the room.
     waiters: Mutex<HashMap<Room, oneshot::Sender<Outcome>>>,
-    /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
-    bootstrap_addr: String,
     outbox: Outbox,
     /// The staging ring and staged rooms (with [`DecodeConfig::staging`]).
     stager: Option<Arc<DecodeStager>>,
-    dead: AtomicBool,
     stop: AtomicBool,
     bytes: AtomicU64,
     /// Inbox messages dropped as malformed or unused (see [`Summary::dropped_messages`]).
@@ -436,54 +442,18 @@ impl Peer {
         }
     }
 
-    /// Checks every byte of a room; returns the bytes checked, or `None` on a mismatch.
+    /// Checks every byte of a room against the pattern ([`verify_room`]).
     fn verify(&self, room: Room, pages: &[i32], row: u64) -> Option<u64> {
-        let l = &self.cfg.layout;
-        let mut bytes = 0;
-        // Copies, not views: a late write from the prefill may still land in these pages.
-        let mut data = vec![0u8; usize::try_from(l.item_len).ok()?];
-        for b in 0..l.num_buffers {
-            let base = l.buffer_addr(self.kv.base(), b);
-            for (i, &p) in pages.iter().enumerate() {
-                self.kv
-                    .copy_out(base + p as u64 * l.item_len, &mut data)
-                    .ok()?;
-                if !l.check_kv(&data, room.get(), b as u32, i as u32) {
-                    tracing::error!(%room, buffer = b, page_in_room = i, "KV bytes differ from the pattern");
-                    return None;
-                }
-                bytes += l.item_len;
-            }
-        }
-        let ptrs = l.aux_ptrs(self.aux.base());
-        let lens = l.aux_item_lens();
-        let mut ok = true;
-        for (i, (&ptr, &len)) in ptrs.iter().zip(&lens).enumerate() {
-            let at = ptr + row * len;
-            ok &= if i == model::AUX_ROOM_INDEX {
-                // sglang's decode admits the request only when the slot holds the room.
-                self.aux.to_vec(at, len).is_ok_and(|d| {
-                    d.split_first_chunk::<8>()
-                        .is_some_and(|(head, _)| *head == room.get().to_le_bytes())
-                })
-            } else {
-                self.aux
-                    .to_vec(at, len)
-                    .is_ok_and(|d| model::check_aux(&d, room.get(), i))
-            };
-        }
-        // sglang zeroes the room slot of a used aux row.
-        let slot = ptrs[model::AUX_ROOM_INDEX] + row * model::AUX_ROOM_LEN;
-        let _ = self.aux.fill(slot, model::AUX_ROOM_LEN, 0);
-        if !ok {
-            tracing::error!(%room, row, "aux row differs from the pattern");
-            return None;
-        }
-        Some(bytes + l.aux_row_bytes())
+        verify_room(&self.cfg.layout, &self.kv, &self.aux, room, pages, row)
     }
 }
 
+/// One prefill instance as this decode resolved it (sentinel, rank routes, registrations sent).
 struct Topology {
+    /// `host:port` of the prefill's bootstrap server (the manager's heartbeat key).
+    bootstrap_addr: String,
+    /// Set once its heartbeats failed `heartbeat_max_failure` times in a row.
+    dead: AtomicBool,
     targets: Vec<Target>,
     required_dst_info_num: u32,
     responses: usize,
@@ -495,7 +465,15 @@ struct Topology {
     generational_aborts: bool,
 }
 
-async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> Result<Topology> {
+/// Resolves the prefill instance behind `client` (its bootstrap server is `bootstrap_addr`):
+/// sentinel (`tries` at 1 s), checks, §4.3 rank mapping, per-rank routes, one registration per
+/// target rank.
+async fn connect_prefill(
+    peer: &Peer,
+    client: &BootstrapClient,
+    bootstrap_addr: String,
+    tries: u32,
+) -> Result<Topology> {
     let mut last = None;
     let mut info = None;
     for k in 0..tries.max(1) {
@@ -579,6 +557,8 @@ async fn connect_prefill(peer: &Peer, client: &BootstrapClient, tries: u32) -> R
         _ => None,
     };
     Ok(Topology {
+        bootstrap_addr,
+        dead: AtomicBool::new(false),
         targets,
         required_dst_info_num,
         responses,
@@ -620,12 +600,16 @@ fn check_0523_keys(
     Ok(())
 }
 
-/// Runs the decode peer to completion and returns its summary.
-pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
+/// Binds the decode's data plane (`kv`, `aux` and, with staging, a ring of its own registered on
+/// it, named `name`), inbox and outbox, and starts reading the inbox. The peer and the plane live
+/// until the caller drops the plane and sets `stop`.
+async fn start_peer(
+    cfg: DecodeConfig,
+    kv: Arc<Region>,
+    aux: Arc<Region>,
+    name: &str,
+) -> Result<(Arc<Peer>, DataPlane)> {
     let layout = cfg.layout.clone();
-    let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
-    let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
-    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
     let ring = match &cfg.staging {
         Some(s) => Some(Arc::new(Region::new(
             usize::try_from(s.ring_bytes).context("staging ring size")?,
@@ -634,7 +618,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     };
     let mut regions = vec![kv.clone(), aux.clone()];
     regions.extend(ring.clone());
-    let plane = DataPlane::server(cfg.backend, &cfg.host, &name, regions)
+    let plane = DataPlane::server(cfg.backend, &cfg.host, name, regions)
         .await
         .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
@@ -672,10 +656,8 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             waiting_timeout: cfg.waiting_timeout,
         })),
         waiters: Mutex::new(HashMap::new()),
-        bootstrap_addr: format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port),
         outbox,
         stager,
-        dead: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
         dropped: AtomicU64::new(0),
@@ -709,14 +691,29 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         let _ = tokio::task::spawn_blocking(move || inbox.close()).await;
     });
 
+    Ok((peer, plane))
+}
+
+/// Runs the decode peer to completion and returns its summary.
+pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
+    let kv = Arc::new(Region::new(cfg.layout.pool_bytes() as usize));
+    let aux = Arc::new(Region::new(cfg.layout.aux_bytes() as usize));
+    let name = format!("kvx-decode-{}-{}", std::process::id(), cfg.seed);
+    // The rooms run on a decode engine, as an embedder's would; this driver allocates their
+    // pages, verifies them and keeps the summary.
+    let mem = engine::DecodeMemory::new(kv, aux);
+    let engine = Arc::new(DecodeEngine::with_peer_config(cfg, mem, &name, 15, false).await?);
+    let peer = engine.peer().clone();
     let cfg = &peer.cfg;
     let client = BootstrapClient::new(&cfg.bootstrap_host, cfg.bootstrap_port)?;
-    let connect = connect_prefill(&peer, &client, 15);
+    let bootstrap_addr = format!("{}:{}", cfg.bootstrap_host, cfg.bootstrap_port);
+    // Resolved before the first room (its heartbeat starts with it), as sglang's decode does.
+    let connect = engine.resolve(&bootstrap_addr, &client);
     let topo = match &cfg.stop {
         Some(stop) => tokio::select! {
             t = connect => t?,
             sig = stop.wait() => {
-                peer.stop.store(true, Ordering::Relaxed);
+                engine.close();
                 return Ok(Summary {
                     requests: cfg.requests,
                     not_started: cfg.requests,
@@ -727,12 +724,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
         },
         None => connect.await?,
     };
-    let topo = Arc::new(topo);
     if let Some(r) = &cfg.ready {
         r.set_ready();
     }
-    let hb = tokio::spawn(heartbeat(peer.clone(), client.clone()));
-    let ticker = tokio::spawn(ticker(peer.clone()));
+    let addr: Arc<str> = bootstrap_addr.into();
     let drain = cfg
         .stop
         .clone()
@@ -770,11 +765,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
             },
             None => acquire.await?,
         };
-        let (peer, topo, bar) = (peer.clone(), topo.clone(), bar.clone());
+        let (engine, topo, addr, bar) = (engine.clone(), topo.clone(), addr.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
             let in_flight = metrics::gauge!("kvx_decode_rooms_in_flight");
             in_flight.increment(1.0);
-            let (result, latency) = one_request(&peer, &topo, room, tokens).await;
+            let (result, latency) = one_request(&engine, &topo, &addr, room, tokens).await;
             in_flight.decrement(1.0);
             let label = match &result {
                 RoomResult::Verified => Some("verified"),
@@ -849,10 +844,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    hb.abort();
-    ticker.abort();
-    peer.stop.store(true, Ordering::Relaxed);
-    drop(plane);
+    engine.close();
     s.seconds = t0.elapsed().as_secs_f64();
     s.bytes = peer.bytes.load(Ordering::Relaxed);
     s.staged_chunks = peer.stager.as_ref().map_or(0, |st| st.scattered());
@@ -961,11 +953,13 @@ fn release(peer: &Peer, pages: &[i32], row: u64) {
 }
 
 async fn one_request(
-    peer: &Arc<Peer>,
+    engine: &DecodeEngine,
     topo: &Topology,
+    addr: &str,
     room: Room,
     tokens: u64,
 ) -> (RoomResult, Duration) {
+    let peer = engine.peer();
     let cfg = &peer.cfg;
     let n = cfg.layout.pages_for(tokens) as usize;
     let t0 = Instant::now();
@@ -992,125 +986,164 @@ async fn one_request(
         release(peer, &pages, row);
         return (RoomResult::NotStarted, t0.elapsed());
     }
-    if peer.dead.load(Ordering::Relaxed) {
+    if topo.dead.load(Ordering::Relaxed) {
         release(peer, &pages, row);
         return (
             RoomResult::Failed("Lost connection with prefill instance".into()),
             t0.elapsed(),
         );
     }
-    let (tx, rx) = oneshot::channel();
-    lock(&peer.waiters).insert(room, tx);
-    let created = DecodeEvent::Created {
-        room,
-        bootstrap_addr: peer.bootstrap_addr.clone(),
-    };
-    let init = DecodeEvent::Init {
-        room,
-        required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
-        prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
-        generational_aborts: topo.generational_aborts,
-    };
-    let aborts = [peer.handle(created, None), peer.handle(init, None)].concat();
-    peer.send_aborts(aborts).await;
-    // A staged room is registered with the ring before its metadata goes out (sglang's order):
-    // the prefill's STAGING_REQs follow the metadata.
-    let staged = match (&peer.stager, &topo.staged) {
-        (Some(st), Some(geom)) => {
-            let peers = topo
-                .targets
-                .iter()
-                .filter(|t| !t.dummy)
-                .map(|t| t.endpoint.clone())
-                .collect();
-            if let Err(e) = st.register_room(room, peers, &pages, geom, topo.dst_tp_rank) {
-                let why = format!("staging: {e}");
-                let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
-                peer.send_aborts(aborts).await;
-            }
-            Some(st.clone())
-        }
-        _ => None,
-    };
     let t0 = Instant::now();
-    for t in &topo.targets {
-        let req = TransferRequest {
-            room,
-            endpoint: peer.me.clone(),
-            session: peer.session.clone(),
-            dst: (!t.dummy).then(|| Destination {
-                kv_pages: pages.clone(),
-                aux_index: row as i64,
-                state_indices: vec![],
-            }),
-            required_dst_info_num: topo.required_dst_info_num,
-            decode_prefix_len: Some(0),
-            device_kv_pages: vec![],
-        };
-        let sent = match wire::encode_metadata(&req) {
-            Ok(f) => peer.send(&t.endpoint, f).await,
-            Err(e) => Err(e.into()),
-        };
-        if let Err(e) = sent {
-            let why = format!("metadata not sent: {e:#}");
-            let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(&why));
-            peer.send_aborts(aborts).await;
-            break;
+    let handle = match engine.open_room(room, addr, pages.clone(), row) {
+        Ok(h) => h,
+        Err(e) => {
+            release(peer, &pages, row);
+            return (RoomResult::Failed(format!("{e:#}")), t0.elapsed());
         }
-    }
-    // The waiting timeout starts once the metadata went out; the ticker enforces it.
-    let aborts = peer.handle(DecodeEvent::MetadataSent { room }, None);
-    peer.send_aborts(aborts).await;
-    let mut outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
+    };
+    let (status, reason) = handle.wait().await;
     let latency = t0.elapsed();
-    if let Some(st) = &staged {
-        let (out, drained) = st.finish_room(room, outcome.is_ok());
-        peer.send_all(out).await;
-        if outcome.is_ok() && !drained {
-            outcome = Err("staging: Success before every chunk was scattered".into());
-        }
+    if status == KVPoll::Success {
+        let p = peer.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let r = p.verify(room, &pages, row);
+            release(&p, &pages, row);
+            r
+        })
+        .await
+        .ok()
+        .flatten();
+        return match checked {
+            Some(bytes) => {
+                peer.bytes.fetch_add(bytes, Ordering::Relaxed);
+                (RoomResult::Verified, latency)
+            }
+            None => (RoomResult::Corrupt, latency),
+        };
     }
-    match outcome {
-        Ok(()) => {
-            let p = peer.clone();
-            let checked = tokio::task::spawn_blocking(move || {
-                let r = p.verify(room, &pages, row);
-                release(&p, &pages, row);
-                r
-            })
-            .await
-            .ok()
-            .flatten();
-            match checked {
-                Some(bytes) => {
-                    peer.bytes.fetch_add(bytes, Ordering::Relaxed);
-                    (RoomResult::Verified, latency)
+    // A failed room's pages may still receive writes: the engine holds them until nothing can
+    // land in them (every ABORT_ACK, the release timeout, or a grace).
+    let p = peer.clone();
+    let task = tokio::spawn(async move {
+        handle.wait_released().await;
+        release(&p, &pages, row);
+    });
+    let mut settling = lock(&peer.settling);
+    settling.retain(|t| !t.is_finished());
+    settling.push(task);
+    (
+        RoomResult::Failed(reason.unwrap_or_else(|| "failed".into())),
+        latency,
+    )
+}
+
+impl Peer {
+    /// Drives one room whose pages and aux row are held, from its registration with the room
+    /// manager to its outcome: the manager learns of it (`Created`, `Init`), a staged room is
+    /// registered with the ring, metadata goes to every target rank of `topo` (the waiting
+    /// timeout starts), then the outcome the manager concludes is awaited (with staging: Success
+    /// only once every chunk was scattered). Returns the outcome and, for a staged room, the
+    /// stager that still fences its regions until [`Peer::settle_room`].
+    async fn drive_room(
+        &self,
+        topo: &Topology,
+        room: Room,
+        pages: &[i32],
+        row: u64,
+    ) -> (Outcome, Option<Arc<DecodeStager>>) {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiters).insert(room, tx);
+        let created = DecodeEvent::Created {
+            room,
+            bootstrap_addr: topo.bootstrap_addr.clone(),
+        };
+        let init = DecodeEvent::Init {
+            room,
+            required_prefill_response_num: u32::try_from(topo.responses).unwrap_or(u32::MAX),
+            prefill_endpoints: topo.targets.iter().map(|t| t.endpoint.clone()).collect(),
+            generational_aborts: topo.generational_aborts,
+        };
+        let aborts = [self.handle(created, None), self.handle(init, None)].concat();
+        self.send_aborts(aborts).await;
+        // A staged room is registered with the ring before its metadata goes out (sglang's
+        // order): the prefill's STAGING_REQs follow the metadata.
+        let staged = match (&self.stager, &topo.staged) {
+            (Some(st), Some(geom)) => {
+                let peers = topo
+                    .targets
+                    .iter()
+                    .filter(|t| !t.dummy)
+                    .map(|t| t.endpoint.clone())
+                    .collect();
+                if let Err(e) = st.register_room(room, peers, pages, geom, topo.dst_tp_rank) {
+                    let why = format!("staging: {e}");
+                    let aborts = self.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+                    self.send_aborts(aborts).await;
                 }
-                None => (RoomResult::Corrupt, latency),
+                Some(st.clone())
+            }
+            _ => None,
+        };
+        for t in &topo.targets {
+            let req = TransferRequest {
+                room,
+                endpoint: self.me.clone(),
+                session: self.session.clone(),
+                dst: (!t.dummy).then(|| Destination {
+                    kv_pages: pages.to_vec(),
+                    aux_index: row as i64,
+                    state_indices: vec![],
+                }),
+                required_dst_info_num: topo.required_dst_info_num,
+                decode_prefix_len: Some(0),
+                device_kv_pages: vec![],
+            };
+            let sent = match wire::encode_metadata(&req) {
+                Ok(f) => self.send(&t.endpoint, f).await,
+                Err(e) => Err(e.into()),
+            };
+            if let Err(e) = sent {
+                let why = format!("metadata not sent: {e:#}");
+                let aborts = self.handle(DecodeEvent::LocalAbort { room }, Some(&why));
+                self.send_aborts(aborts).await;
+                break;
             }
         }
-        Err(reason) => {
-            tracing::warn!(%room, %reason, "room failed");
-            // A failed room's pages may still receive writes: they are held until nothing can
-            // land in them (every ABORT_ACK, the release timeout, or a grace).
-            let p = peer.clone();
-            let task = tokio::spawn(async move {
-                p.settle_failed(room, &pages).await;
-                release(&p, &pages, row);
-                if let Some(st) = staged {
-                    let out = st.release_fenced(room);
-                    p.send_all(out).await;
-                }
-            });
-            let mut settling = lock(&peer.settling);
-            settling.retain(|t| !t.is_finished());
-            settling.push(task);
-            (RoomResult::Failed(reason), latency)
+        // The waiting timeout starts once the metadata went out; the ticker enforces it.
+        let aborts = self.handle(DecodeEvent::MetadataSent { room }, None);
+        self.send_aborts(aborts).await;
+        let mut outcome = rx.await.unwrap_or_else(|_| Err("room dropped".into()));
+        if let Some(st) = &staged {
+            let (out, drained) = st.finish_room(room, outcome.is_ok());
+            self.send_all(out).await;
+            if outcome.is_ok() && !drained {
+                outcome = Err("staging: Success before every chunk was scattered".into());
+            }
         }
+        (outcome, staged)
+    }
+
+    /// Holds a failed room's pages until nothing can land in them any more (see
+    /// [`release`](self::release)), then lets a staged room's fenced ring regions go. True when
+    /// every prefill rank the room's `ABORT` went to acknowledged it. The caller releases the
+    /// pages afterwards.
+    async fn settle_room(
+        self: &Arc<Self>,
+        room: Room,
+        pages: &[i32],
+        topo: &Topology,
+        staged: Option<Arc<DecodeStager>>,
+    ) -> bool {
+        let acked = self.settle_failed(room, pages, &topo.dead).await;
+        if let Some(st) = staged {
+            let out = st.release_fenced(room);
+            self.send_all(out).await;
+        }
+        acked
     }
 }
 
-async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
+async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topology>) {
     let period = peer.cfg.heartbeat_interval.max(Duration::from_secs(2));
     let max = peer.cfg.heartbeat_max_failure.max(1);
     let mut failures = 0;
@@ -1122,9 +1155,9 @@ async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient) {
                 failures += 1;
                 tracing::warn!(error = %e, failures, "prefill heartbeat failed");
                 if failures >= max {
-                    peer.dead.store(true, Ordering::Relaxed);
+                    topo.dead.store(true, Ordering::Relaxed);
                     let lost = DecodeEvent::HeartbeatLost {
-                        bootstrap_addr: peer.bootstrap_addr.clone(),
+                        bootstrap_addr: topo.bootstrap_addr.clone(),
                     };
                     let aborts = peer.handle(lost, None);
                     peer.send_aborts(aborts).await;

@@ -2,10 +2,10 @@
 //!
 //! The runnable side of kvx: the tokio/thread drivers that wire `kvx-core`, `kvx-bootstrap` and
 //! the data plane into a running prefill sender ([`engine`], embeddable as a library) and a
-//! decode peer ([`decode`]), heterogeneous-TP staging through the decode's ring on both sides
-//! ([`prefill_staging`], [`decode_staging`]), worker supervision with sglang's dead-thread
-//! message made true ([`worker`], [`fault`]), metrics export ([`telemetry`]) and the `kvx`
-//! binary's commands.
+//! decode peer ([`decode`], embeddable as [`decode::engine::DecodeEngine`]), heterogeneous-TP
+//! staging through the decode's ring on both sides ([`prefill_staging`], [`decode_staging`]),
+//! worker supervision with sglang's dead-thread message made true ([`worker`], [`fault`]),
+//! metrics export ([`telemetry`]) and the `kvx` binary's commands.
 //!
 //! ```
 //! use kvx_cli::model::{self, ModelPreset};

@@ -12,7 +12,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvx_core::{Endpoint, Room};
@@ -69,11 +69,17 @@ impl Peer {
     }
 
     /// Holds a failed room's pages until nothing can land in them any more (see the module
-    /// docs); the caller releases them afterwards.
-    pub(super) async fn settle_failed(self: &Arc<Self>, room: Room, pages: &[i32]) {
+    /// docs; `dead`: the room's prefill instance is gone, its ACKs will not come); the caller
+    /// releases them afterwards. True when every rank acknowledged the room's `ABORT`.
+    pub(super) async fn settle_failed(
+        self: &Arc<Self>,
+        room: Room,
+        pages: &[i32],
+        dead: &AtomicBool,
+    ) -> bool {
         if !lock(&self.aborts).contains_key(&room) {
             tokio::time::sleep(FAILED_GRACE).await;
-            return;
+            return false;
         }
         self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
         let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
@@ -84,7 +90,7 @@ impl Peer {
             if self.abort_acked(room) {
                 break true;
             }
-            if self.dead.load(Ordering::Relaxed)
+            if dead.load(Ordering::Relaxed)
                 || tokio::time::timeout_at(deadline, notified).await.is_err()
             {
                 break false;
@@ -95,7 +101,7 @@ impl Peer {
             metrics::counter!("kvx_decode_abort_release_timeouts_total").increment(1);
             tracing::warn!(%room, "not every prefill rank acknowledged the ABORT; pages released after a grace");
             tokio::time::sleep(FAILED_GRACE).await;
-            return;
+            return false;
         }
         self.abort_acked_rooms.fetch_add(1, Ordering::Relaxed);
         let digest = |p: Arc<Peer>, pages: Vec<i32>| {
@@ -109,6 +115,7 @@ impl Peer {
             metrics::counter!("kvx_decode_late_writes_total").increment(1);
             tracing::error!(%room, "a write landed in the room's pages after every prefill rank acknowledged its ABORT");
         }
+        true
     }
 
     /// A digest of every byte of the room's pages in every KV buffer. Read after every prefill

@@ -196,10 +196,7 @@ pub fn kill_decode(ctx: &mut Ctx) -> Result<Verdict> {
         cleared_s: took.map(|d| d.as_secs_f64()),
         failed_delta: finished(&after, "failed") - finished(&before, "failed"),
         failed_rooms: failed_rooms(&p.proc.log_text(), log_before, ""),
-        succeeded: (
-            finished(&at_kill, "success"),
-            finished(&after, "success"),
-        ),
+        succeeded: (finished(&at_kill, "success"), finished(&after, "success")),
         workers: (
             before.get("kvx_live_workers")?,
             after.get("kvx_live_workers")?,
