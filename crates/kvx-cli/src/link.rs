@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvx_core::TransferOp;
+use kvx_rdma::{BatchReport, BoxFuture, TransportError};
 
 use crate::config::{RecvArgs, SendArgs};
 use crate::plane::{Backend, DataPlane};
@@ -50,6 +51,13 @@ pub fn recv(args: RecvArgs) -> Result<i32> {
         drop(plane);
         anyhow::Ok(0)
     })
+}
+
+/// A batch posted by `kvx send`: when, its future, and once it resolved, its result and latency.
+struct InFlight {
+    at: Instant,
+    fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
+    done: Option<(Result<BatchReport, TransportError>, std::time::Duration)>,
 }
 
 /// `kvx send`: returns the exit code.
@@ -110,16 +118,34 @@ pub fn send(args: SendArgs) -> Result<i32> {
         let t0 = Instant::now();
         let mut sent = 0u64;
         let mut k = 0u64;
+        // Every batch in flight is polled, not only the oldest: a future that is not polled
+        // posts nothing, so awaiting them one by one would keep a single batch in flight.
         let mut inflight = std::collections::VecDeque::new();
         while sent < total || !inflight.is_empty() {
             while sent < total && inflight.len() < depth {
-                inflight.push_back((Instant::now(), session.write_batch(batch_ops(k))));
+                inflight.push_back(InFlight {
+                    at: Instant::now(),
+                    fut: session.write_batch(batch_ops(k)),
+                    done: None,
+                });
                 k += batch;
                 sent += size * batch;
             }
-            if let Some((at, f)) = inflight.pop_front() {
-                f.await?;
-                lat_ns.push(at.elapsed().as_nanos() as u64);
+            std::future::poll_fn(|cx| {
+                for f in inflight.iter_mut().filter(|f| f.done.is_none()) {
+                    if let std::task::Poll::Ready(r) = f.fut.as_mut().poll(cx) {
+                        f.done = Some((r, f.at.elapsed()));
+                    }
+                }
+                match inflight.front() {
+                    Some(f) if f.done.is_none() => std::task::Poll::Pending,
+                    _ => std::task::Poll::Ready(()),
+                }
+            })
+            .await;
+            if let Some((r, took)) = inflight.pop_front().and_then(|f| f.done) {
+                r?;
+                lat_ns.push(took.as_nanos() as u64);
                 if let Some(b) = &bar {
                     b.set_position(sent.min(total));
                 }

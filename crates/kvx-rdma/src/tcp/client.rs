@@ -437,7 +437,9 @@ fn encode_window<'a>(writes: &'a [WireWrite], tag: u64, meta: &'a mut Vec<u8>) -
 /// window is then queued for the writers as usual). The window is recorded as in flight before
 /// its first byte is written, exactly as a writer does. Once the send buffer took part of it,
 /// the rest is written blocking: at most `INLINE_MAX` bytes onto a connection whose peer has
-/// acknowledged everything sent before (bounded by `TCP_USER_TIMEOUT` if the peer stalls).
+/// acknowledged everything sent before. A peer that stops reading meanwhile is bounded like a
+/// writer's: the reader fails the connection once the window is `ack_timeout` old, and the
+/// shutdown ends the write. Only called on a thread that may block (`batch::post` checks).
 fn send_inline(conns: &[Arc<ConnShared>], w: Window) -> Option<Window> {
     let bytes: usize = w.writes.iter().map(|ww| ww.src.len()).sum();
     if bytes > INLINE_MAX || w.writes.len() > MAX_ENTRIES as usize || w.ticket.is_cancelled() {
@@ -453,6 +455,10 @@ fn send_inline(conns: &[Arc<ConnShared>], w: Window) -> Option<Window> {
         };
         if !lock(&c.pending).is_empty() {
             continue;
+        }
+        // As late as a writer checks: another window of the batch may have failed meanwhile.
+        if w.ticket.is_cancelled() {
+            return Some(w);
         }
         let tag = *wire;
         let Window { ticket, writes } = w;
@@ -644,3 +650,7 @@ fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), AckFailure> {
     });
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "client_tests.rs"]
+mod tests;
