@@ -23,7 +23,8 @@
 //! p50 / p99 of each and the ratio of the p50s (`latency 4KiB tcp/socket p50 ratio: X.XX`).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
-//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`.
+//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`; `KVX_BENCH_ONLY=socket|bulk|kv`
+//! runs one case alone, without the latency section (to profile it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -342,20 +343,35 @@ fn main() {
             cpu: 0.0,
         });
     }
+    // `KVX_BENCH_ONLY=socket|bulk|kv`: run that case alone and skip the latency section (for
+    // `strace -c -f` / `perf stat` of one case; the other rows stay empty).
+    let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
+    let runs = |case: &str| only.is_empty() || only == case;
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
-    socket_loop(&src[..bulk], &mut dst[..bulk], conns);
-    rt.block_on(session.write_batch(cases[0].1.clone()))
-        .unwrap();
+    if runs("socket") {
+        socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+    }
+    if only != "socket" {
+        rt.block_on(session.write_batch(cases[0].1.clone()))
+            .unwrap();
+    }
     for _ in 0..reps {
-        let (t, c) = (Instant::now(), cpu_secs());
-        dst[..bulk].copy_from_slice(&src[..bulk]);
-        rows[0].runs.push(t.elapsed());
-        rows[0].cpu += cpu_secs() - c;
-        let c = cpu_secs();
-        let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
-        rows[1].runs.push(t);
-        rows[1].cpu += cpu_secs() - c;
+        if only.is_empty() {
+            let (t, c) = (Instant::now(), cpu_secs());
+            dst[..bulk].copy_from_slice(&src[..bulk]);
+            rows[0].runs.push(t.elapsed());
+            rows[0].cpu += cpu_secs() - c;
+        }
+        if runs("socket") {
+            let c = cpu_secs();
+            let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+            rows[1].runs.push(t);
+            rows[1].cpu += cpu_secs() - c;
+        }
         for (i, (_, ops)) in cases.iter().enumerate() {
+            if !runs(if i == 0 { "bulk" } else { "kv" }) {
+                continue;
+            }
             let ops = ops.clone();
             let (t, c) = (Instant::now(), cpu_secs());
             rt.block_on(session.write_batch(ops)).unwrap();
@@ -364,7 +380,7 @@ fn main() {
         }
     }
     // Bytes check on the last KV case: the planned destination must equal the source.
-    for op in &cases[2].1 {
+    for op in cases[2].1.iter().filter(|_| runs("kv")) {
         let (so, doff) = ((op.src - s) as usize, (op.dst - d) as usize);
         assert_eq!(
             &src[so..so + op.len as usize],
@@ -374,7 +390,12 @@ fn main() {
     // Single-write latency, tcp backend against a plain socket write + ack.
     let lat_writes = env_usize("KVX_BENCH_LAT_WRITES", 1000).max(1);
     let mut lat_lines = Vec::new();
-    for size in [4usize << 10, 64 << 10, 1 << 20] {
+    let lat_sizes: &[usize] = if only.is_empty() {
+        &[4 << 10, 64 << 10, 1 << 20]
+    } else {
+        &[]
+    };
+    for &size in lat_sizes {
         let mut pp = PingPong::new(size);
         let mut frame = (size as u64).to_le_bytes().to_vec();
         frame.extend_from_slice(&src[..size]);
