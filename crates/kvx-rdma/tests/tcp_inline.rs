@@ -293,7 +293,15 @@ async fn a_peer_that_stops_reading_mid_inline_send_times_out() {
     )
     .await
     .expect("hang guard");
-    assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+    // The acknowledgement timeout as a rule; the kernel's TCP_USER_TIMEOUT (set to the same
+    // value) may abort the socket first, which the blocked write reports as a lost peer.
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::Timeout { .. } | TransportError::PeerLost { .. })
+        ),
+        "{r:?}"
+    );
     assert!(!session.is_alive());
     drop(held);
 }
