@@ -20,7 +20,10 @@
 //!
 //! and 4 KiB single-write latency (p50/p99 over `KVX_INTEROP_LAT_WRITES` = 2000 sequential
 //! writes per path after 100 warm-up writes, in rounds of 250 with the paths rotated): kvx → TE,
-//! TE → TE, TE → kvx, and kvx → kvx for reference.
+//! TE → TE, TE → kvx, kvx → kvx for reference, and two more references: kvx's `tcp` backend
+//! (kvx → kvx, default `TcpConfig`) and a plain blocking socket pair doing the same 4 KiB write
+//! followed by an 8-byte acknowledgement. Printed after them: `interop/latency tcp/TE p50
+//! ratio: X.XX` (tcp backend over TE → TE) and `interop/latency tcp/socket p50 ratio: X.XX`.
 //!
 //! Each throughput case runs once untimed (connections, page faults), then `KVX_INTEROP_REPS`
 //! (default 5) interleaved repetitions (the order within each compared pair alternates); the
@@ -42,7 +45,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
@@ -50,7 +53,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::TransferOp;
 use kvx_rdma::mooncake::MooncakeSession;
-use kvx_rdma::{MooncakeConfig, MooncakeTransport, Session, Transport};
+use kvx_rdma::tcp::TcpSession;
+use kvx_rdma::{MooncakeConfig, MooncakeTransport, Session, TcpConfig, TcpTransport, Transport};
 use serde_json::{Value, json};
 
 const LAYERS: usize = 32;
@@ -456,6 +460,20 @@ struct Bench {
     kvx_endpoint: String,
     /// A second kvx initiator, for the kvx -> kvx latency reference.
     kvx_loop: Arc<MooncakeTransport>,
+    /// kvx's tcp backend into `kvx_dst`, for the tcp latency reference.
+    tcp_session: TcpSession,
+    /// A plain socket pair (write + 8-byte acknowledgement), the socket latency reference.
+    socket: std::net::TcpStream,
+}
+
+/// Serves the plain-socket latency reference: reads a 4 KiB write, answers 8 bytes.
+fn socket_echo(mut rx: std::net::TcpStream) {
+    let mut buf = [0u8; LAT_BYTES];
+    while rx.read_exact(&mut buf).is_ok() {
+        if rx.write_all(&[1u8; 8]).is_err() {
+            return;
+        }
+    }
 }
 
 /// CPU seconds (user + system, all threads) used so far by process `pid` (`/proc/<pid>/stat`,
@@ -600,6 +618,35 @@ impl Bench {
                     }
                     if i >= warmup {
                         out.push(secs);
+                    }
+                }
+                out
+            }
+            "tcp_to_kvx" => {
+                let op = TransferOp::new(self.src_base(), kvx_dst, LAT_BYTES as u64);
+                let mut out = Vec::with_capacity(count);
+                for i in 0..warmup + count {
+                    let t = Instant::now();
+                    let r = self.rt.block_on(self.tcp_session.write_batch(vec![op]));
+                    let secs = t.elapsed().as_secs_f64();
+                    if let Err(e) = r {
+                        fail(&format!("{path} latency write: {e}"));
+                    }
+                    if i >= warmup {
+                        out.push(secs);
+                    }
+                }
+                out
+            }
+            "socket" => {
+                let mut out = Vec::with_capacity(count);
+                let mut ack = [0u8; 8];
+                for i in 0..warmup + count {
+                    let t = Instant::now();
+                    self.socket.write_all(&self.kvx_src[..LAT_BYTES]).unwrap();
+                    self.socket.read_exact(&mut ack).unwrap();
+                    if i >= warmup {
+                        out.push(t.elapsed().as_secs_f64());
                     }
                 }
                 out
@@ -764,6 +811,27 @@ fn main() {
     // SAFETY: as above.
     unsafe { kvx_loop.register(kvx_src.as_ptr() as u64, src_len as u64) }.unwrap();
     let kvx_endpoint = kvx_target.endpoint();
+    // The tcp backend's and a plain socket's latency references, into kvx_dst / from kvx_src.
+    let tcp_target = rt_target
+        .block_on(TcpTransport::bind("127.0.0.1:0", TcpConfig::default()))
+        .unwrap_or_else(|e| fail(&format!("binding the kvx tcp target: {e}")));
+    // SAFETY: as for the kvx target above.
+    unsafe { tcp_target.register(kvx_dst.as_mut_ptr() as u64, total as u64) }.unwrap();
+    let tcp_client = TcpTransport::client(TcpConfig::default());
+    // SAFETY: as above.
+    unsafe { tcp_client.register(kvx_src.as_ptr() as u64, src_len as u64) }.unwrap();
+    let tcp_session = rt
+        .block_on(tcp_client.open_session(&tcp_target.endpoint()))
+        .unwrap_or_else(|e| fail(&format!("kvx tcp -> kvx tcp: {e}")));
+    let socket = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (rx, _) = l.accept().unwrap();
+        tx.set_nodelay(true).unwrap();
+        rx.set_nodelay(true).unwrap();
+        std::thread::spawn(move || socket_echo(rx));
+        tx
+    };
 
     let room_te = plan_room(&te_bufs, buf_bytes);
     let room_kvx = plan_room(&kvx_bufs, buf_bytes);
@@ -830,6 +898,8 @@ fn main() {
         te_bufs,
         kvx_endpoint,
         kvx_loop,
+        tcp_session,
+        socket,
     };
     // `KVX_INTEROP_ONLY=latency|throughput` runs one half (for profiling).
     let only = std::env::var("KVX_INTEROP_ONLY").unwrap_or_default();
@@ -899,6 +969,8 @@ fn main() {
         ("te_to_te", "TE -> TE"),
         ("te_to_kvx", "TE -> kvx"),
         ("kvx_to_kvx", "kvx -> kvx (reference)"),
+        ("tcp_to_kvx", "kvx tcp -> kvx tcp (reference)"),
+        ("socket", "plain socket write + ack (reference)"),
     ];
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); lat_paths.len()];
     if do_lat {
@@ -924,6 +996,17 @@ fn main() {
             v.len()
         );
         lat.push((key, label, p50, p99, v.len()));
+    }
+    let p50_of = |k: &str| lat.iter().find(|l| l.0 == k).map_or(f64::NAN, |l| l.2);
+    if do_lat {
+        println!(
+            "interop/latency tcp/TE p50 ratio: {:.2}",
+            p50_of("tcp_to_kvx") / p50_of("te_to_te")
+        );
+        println!(
+            "interop/latency tcp/socket p50 ratio: {:.2}",
+            p50_of("tcp_to_kvx") / p50_of("socket")
+        );
     }
 
     // Ratios (paired medians).
@@ -1029,8 +1112,13 @@ fn main() {
         kvx_dst,
         kvx_src,
         kvx_loop,
+        tcp_session,
+        socket,
         ..
     } = b;
+    drop((tcp_session, socket, tcp_client));
+    rt_target.block_on(tcp_target.shutdown());
+    drop(tcp_target);
     te_init.quit();
     te_target.quit();
     drop(kvx_session);

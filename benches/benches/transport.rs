@@ -12,12 +12,19 @@
 //!
 //! Each case runs `KVX_BENCH_REPS` times (default 5), interleaved. The table shows the best and
 //! median throughput and, per case, the median over repetitions of its throughput divided by the
-//! socket loop's in the same repetition (robust to a noisy, shared machine). The last line is
-//! that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection count,
-//! same bytes).
+//! socket loop's in the same repetition (robust to a noisy, shared machine), and the CPU the
+//! whole process spent on it per GiB (all repetitions, both sides of the copy; `/proc/self/stat`).
+//! Then that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection
+//! count, same bytes).
+//! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
+//! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
+//! waiting for its completion) against a plain blocking socket doing the same write followed by
+//! an 8-byte acknowledgement from a reader thread, in rounds of 100 with the two alternating;
+//! p50 / p99 of each and the ratio of the p50s (`latency 4KiB tcp/socket p50 ratio: X.XX`).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
-//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`.
+//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`; `KVX_BENCH_ONLY=socket|bulk|kv`
+//! runs one case alone, without the latency section (to profile it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -121,11 +128,91 @@ fn plan_kv(src_base: u64, dst_base: u64, tokens: usize, page: usize) -> Vec<Tran
     ops
 }
 
+/// A plain blocking socket pair for the latency baseline: the write, then an 8-byte
+/// acknowledgement sent once the reader thread has read every byte.
+struct PingPong {
+    tx: TcpStream,
+    stop: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PingPong {
+    fn new(max: usize) -> PingPong {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        tx.set_nodelay(true).unwrap();
+        let (mut rx, _) = listener.accept().unwrap();
+        rx.set_nodelay(true).unwrap();
+        let stop = std::thread::spawn(move || {
+            let mut buf = vec![0u8; max];
+            let mut len = [0u8; 8];
+            loop {
+                if rx.read_exact(&mut len).is_err() {
+                    return;
+                }
+                let n = u64::from_le_bytes(len) as usize;
+                if rx.read_exact(&mut buf[..n]).is_err() || rx.write_all(&[1u8; 8]).is_err() {
+                    return;
+                }
+            }
+        });
+        PingPong {
+            tx,
+            stop: Some(stop),
+        }
+    }
+
+    /// One write of `data` (length prefix and payload in one call) and its acknowledgement.
+    fn once(&mut self, frame: &[u8]) -> Duration {
+        let t = Instant::now();
+        self.tx.write_all(frame).unwrap();
+        let mut ack = [0u8; 8];
+        self.tx.read_exact(&mut ack).unwrap();
+        t.elapsed()
+    }
+}
+
+impl Drop for PingPong {
+    fn drop(&mut self) {
+        let _ = self.tx.shutdown(std::net::Shutdown::Both);
+        if let Some(h) = self.stop.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i].as_secs_f64() * 1e6
+}
+
 struct Row {
     name: String,
     bytes: u64,
     ops: usize,
     runs: Vec<Duration>,
+    /// CPU seconds (user + system, whole process) spent over all repetitions.
+    cpu: f64,
+}
+
+/// CPU seconds (user + system, all threads, exited ones included) used so far by this process
+/// (`/proc/self/stat`, 10 ms ticks; summed over repetitions that is precise to about 1 %).
+fn cpu_secs() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return f64::NAN;
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return f64::NAN;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| {
+        f.get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    (tick(11) + tick(12)) / 100.0
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -237,12 +324,14 @@ fn main() {
             bytes: bulk as u64,
             ops: 1,
             runs: Vec::new(),
+            cpu: 0.0,
         },
         Row {
             name: format!("socket-loop x{conns}"),
             bytes: bulk as u64,
             ops: 1,
             runs: Vec::new(),
+            cpu: 0.0,
         },
     ];
     for (name, ops) in &cases {
@@ -251,32 +340,103 @@ fn main() {
             bytes: TransferOp::total_bytes(ops),
             ops: ops.len(),
             runs: Vec::new(),
+            cpu: 0.0,
         });
     }
+    // `KVX_BENCH_ONLY=socket|bulk|kv`: run that case alone and skip the latency section (for
+    // `strace -c -f` / `perf stat` of one case; the other rows stay empty).
+    let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
+    let runs = |case: &str| only.is_empty() || only == case;
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
-    socket_loop(&src[..bulk], &mut dst[..bulk], conns);
-    rt.block_on(session.write_batch(cases[0].1.clone()))
-        .unwrap();
+    if runs("socket") {
+        socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+    }
+    if only != "socket" {
+        rt.block_on(session.write_batch(cases[0].1.clone()))
+            .unwrap();
+    }
     for _ in 0..reps {
-        let t = Instant::now();
-        dst[..bulk].copy_from_slice(&src[..bulk]);
-        rows[0].runs.push(t.elapsed());
-        let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
-        rows[1].runs.push(t);
+        if only.is_empty() {
+            let (t, c) = (Instant::now(), cpu_secs());
+            dst[..bulk].copy_from_slice(&src[..bulk]);
+            rows[0].runs.push(t.elapsed());
+            rows[0].cpu += cpu_secs() - c;
+        }
+        if runs("socket") {
+            let c = cpu_secs();
+            let t = socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+            rows[1].runs.push(t);
+            rows[1].cpu += cpu_secs() - c;
+        }
         for (i, (_, ops)) in cases.iter().enumerate() {
+            if !runs(if i == 0 { "bulk" } else { "kv" }) {
+                continue;
+            }
             let ops = ops.clone();
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), cpu_secs());
             rt.block_on(session.write_batch(ops)).unwrap();
             rows[2 + i].runs.push(t.elapsed());
+            rows[2 + i].cpu += cpu_secs() - c;
         }
     }
     // Bytes check on the last KV case: the planned destination must equal the source.
-    for op in &cases[2].1 {
+    for op in cases[2].1.iter().filter(|_| runs("kv")) {
         let (so, doff) = ((op.src - s) as usize, (op.dst - d) as usize);
         assert_eq!(
             &src[so..so + op.len as usize],
             &dst[doff..doff + op.len as usize]
         );
+    }
+    // Single-write latency, tcp backend against a plain socket write + ack.
+    let lat_writes = env_usize("KVX_BENCH_LAT_WRITES", 1000).max(1);
+    let mut lat_lines = Vec::new();
+    let lat_sizes: &[usize] = if only.is_empty() {
+        &[4 << 10, 64 << 10, 1 << 20]
+    } else {
+        &[]
+    };
+    for &size in lat_sizes {
+        let mut pp = PingPong::new(size);
+        let mut frame = (size as u64).to_le_bytes().to_vec();
+        frame.extend_from_slice(&src[..size]);
+        let op = TransferOp::new(s, d, size as u64);
+        let (mut t_tcp, mut t_sock) = (Vec::new(), Vec::new());
+        for _ in 0..20 {
+            pp.once(&frame);
+            rt.block_on(session.write_batch(vec![op])).unwrap();
+        }
+        let mut left = lat_writes;
+        while left > 0 {
+            let n = left.min(100);
+            left -= n;
+            for _ in 0..n {
+                t_sock.push(pp.once(&frame));
+            }
+            for _ in 0..n {
+                let t = Instant::now();
+                rt.block_on(session.write_batch(vec![op])).unwrap();
+                t_tcp.push(t.elapsed());
+            }
+        }
+        t_tcp.sort_unstable();
+        t_sock.sort_unstable();
+        let label = if size >= 1 << 20 {
+            format!("{}MiB", size >> 20)
+        } else {
+            format!("{}KiB", size >> 10)
+        };
+        lat_lines.push(format!(
+            "| {label} | {:.0} / {:.0} | {:.0} / {:.0} | {:.2} |",
+            percentile(&t_tcp, 0.5),
+            percentile(&t_tcp, 0.99),
+            percentile(&t_sock, 0.5),
+            percentile(&t_sock, 0.99),
+            percentile(&t_tcp, 0.5) / percentile(&t_sock, 0.5)
+        ));
+        lat_lines.push(format!(
+            "latency {label} tcp/socket p50 ratio: {:.2}",
+            percentile(&t_tcp, 0.5) / percentile(&t_sock, 0.5)
+        ));
     }
     drop((session, client, server));
     drop(rt);
@@ -284,19 +444,20 @@ fn main() {
 
     println!();
     println!(
-        "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) |"
+        "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) | CPU ms per GiB |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0} |",
             r.name,
             r.bytes >> 20,
             r.ops,
             r.best().as_secs_f64() * 1e3,
             r.gbps(r.best()),
             median(r.runs.iter().map(|&t| r.gbps(t)).collect()),
-            r.paired_ratio(&rows[1])
+            r.paired_ratio(&rows[1]),
+            r.cpu * 1e3 / (r.bytes as f64 * r.runs.len() as f64 / (1u64 << 30) as f64)
         );
     }
     println!();
@@ -304,4 +465,16 @@ fn main() {
         "tcp/socket-loop ratio: {:.2}",
         rows[2].paired_ratio(&rows[1])
     );
+    println!();
+    println!(
+        "| single write ({lat_writes} each) | tcp p50 / p99 us | socket write + ack p50 / p99 us | tcp/socket p50 |"
+    );
+    println!("|---|---:|---:|---:|");
+    for l in lat_lines.iter().filter(|l| l.starts_with('|')) {
+        println!("{l}");
+    }
+    println!();
+    for l in lat_lines.iter().filter(|l| !l.starts_with('|')) {
+        println!("{l}");
+    }
 }

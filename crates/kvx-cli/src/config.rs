@@ -506,6 +506,10 @@ pub struct SendArgs {
     /// Parallel connections.
     #[arg(long, default_value_t = 1, value_parser = validate::count)]
     pub connections: usize,
+    /// Batches in flight at once (1: each write waits for the previous one's completion, so
+    /// the reported percentiles are the round-trip latency of one batch).
+    #[arg(long, default_value_t = 2, value_parser = validate::count)]
+    pub depth: usize,
     /// Total bytes to send, in MiB.
     #[arg(long, default_value_t = 4096, value_parser = validate::count_u64)]
     pub total_mib: u64,

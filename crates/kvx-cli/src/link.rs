@@ -2,8 +2,10 @@
 //!
 //! `recv` registers a region with a listening transport and serves writes into it; `send`
 //! learns the region from the session handshake, then posts batches of `--batch` writes of
-//! `--size` bytes over `--connections` connections (one completion per batch, two batches in
-//! flight) until `--total-mib` were written, and reports GB/s. With `--backend mooncake` either
+//! `--size` bytes over `--connections` connections (one completion per batch, `--depth` batches
+//! in flight, default 2) until `--total-mib` were written, and reports GB/s and the percentiles
+//! of each batch's latency, from `write_batch` to its completion (`--depth 1 --batch 1` gives
+//! the round trip of a single write). With `--backend mooncake` either
 //! side speaks Mooncake TE's protocol, so each can be tested against a real Mooncake engine.
 
 use std::sync::Arc;
@@ -11,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvx_core::TransferOp;
+use kvx_rdma::{BatchReport, BoxFuture, TransportError};
 
 use crate::config::{RecvArgs, SendArgs};
 use crate::plane::{Backend, DataPlane};
@@ -61,6 +64,13 @@ pub fn recv(args: RecvArgs) -> Result<i32> {
     })
 }
 
+/// A batch posted by `kvx send`: when, its future, and once it resolved, its result and latency.
+struct InFlight {
+    at: Instant,
+    fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
+    done: Option<(Result<BatchReport, TransportError>, std::time::Duration)>,
+}
+
 /// `kvx send`: returns the exit code.
 pub fn send(args: SendArgs) -> Result<i32> {
     let size = args.size.max(1);
@@ -81,6 +91,7 @@ pub fn send(args: SendArgs) -> Result<i32> {
             b
         })
     };
+    let mut lat_ns: Vec<u64> = Vec::new();
     let (bytes, secs) = runtime()?.block_on(async {
         let plane = DataPlane::client_with(
             args.backend,
@@ -123,18 +134,38 @@ pub fn send(args: SendArgs) -> Result<i32> {
                 })
                 .collect()
         };
+        let depth = args.depth.max(1);
         let t0 = Instant::now();
         let mut sent = 0u64;
         let mut k = 0u64;
+        // Every batch in flight is polled, not only the oldest: a future that is not polled
+        // posts nothing, so awaiting them one by one would keep a single batch in flight.
         let mut inflight = std::collections::VecDeque::new();
         while sent < total || !inflight.is_empty() {
-            while sent < total && inflight.len() < 2 {
-                inflight.push_back(session.write_batch(batch_ops(k)));
+            while sent < total && inflight.len() < depth {
+                inflight.push_back(InFlight {
+                    at: Instant::now(),
+                    fut: session.write_batch(batch_ops(k)),
+                    done: None,
+                });
                 k += batch;
                 sent += size * batch;
             }
-            if let Some(f) = inflight.pop_front() {
-                f.await?;
+            std::future::poll_fn(|cx| {
+                for f in inflight.iter_mut().filter(|f| f.done.is_none()) {
+                    if let std::task::Poll::Ready(r) = f.fut.as_mut().poll(cx) {
+                        f.done = Some((r, f.at.elapsed()));
+                    }
+                }
+                match inflight.front() {
+                    Some(f) if f.done.is_none() => std::task::Poll::Pending,
+                    _ => std::task::Poll::Ready(()),
+                }
+            })
+            .await;
+            if let Some((r, took)) = inflight.pop_front().and_then(|f| f.done) {
+                r?;
+                lat_ns.push(took.as_nanos() as u64);
                 if let Some(b) = &bar {
                     b.set_position(sent.min(total));
                 }
@@ -152,6 +183,19 @@ pub fn send(args: SendArgs) -> Result<i32> {
         bytes as f64 / (1 << 20) as f64,
         args.connections.max(1),
         bytes as f64 / secs.max(1e-9) / 1e9
+    );
+    lat_ns.sort_unstable();
+    let pct = |q: f64| -> f64 {
+        let i = ((lat_ns.len() as f64 * q).ceil() as usize).clamp(1, lat_ns.len().max(1)) - 1;
+        lat_ns.get(i).copied().unwrap_or(0) as f64 / 1e3
+    };
+    println!(
+        "batch latency over {} batches (depth {}): p50 {:.0} us, p99 {:.0} us, max {:.0} us",
+        lat_ns.len(),
+        args.depth.max(1),
+        pct(0.50),
+        pct(0.99),
+        pct(1.0)
     );
     Ok(0)
 }

@@ -492,7 +492,17 @@ pub const MAX_IOV: usize = 256;
 
 /// `writev(fd, parts)` skipping the first `skip` bytes of the sequence; non-blocking sockets
 /// return `WouldBlock` as an error. Returns bytes written.
-pub fn writev(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize) -> io::Result<usize> {
+pub fn writev(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result<usize> {
+    send_parts(fd, parts, skip, false)
+}
+
+/// [`writev`] on a socket that never waits, whatever the socket's mode (`sendmsg` with
+/// `MSG_DONTWAIT`): writes what the send buffer takes now, `WouldBlock` when it takes nothing.
+pub fn writev_nowait(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result<usize> {
+    send_parts(fd, parts, skip, true)
+}
+
+fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) -> io::Result<usize> {
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
     for p in parts {
         let len = p.len();
@@ -519,7 +529,18 @@ pub fn writev(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize) -> io::Result<us
     // SAFETY: every iovec points either into a caller-owned byte slice that outlives this call
     // or into a `Span`, which exists only after a successful registered-region lookup; the
     // registration contract keeps that memory mapped while registered. writev only reads them.
-    let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    let n = if nowait {
+        // SAFETY: as above; the message header only refers to `iov`, which outlives the call.
+        unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        }
+    } else {
+        // SAFETY: see the comment above.
+        unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) }
+    };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -186,6 +186,7 @@ async fn post(
             reqs,
             bytes,
         },
+        Some,
         tx,
         || MooncakeSession::dead_error(conns),
     )

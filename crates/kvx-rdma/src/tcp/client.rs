@@ -7,7 +7,11 @@
 //! window when it is ready, so faster connections carry more. A writer sends a window as one
 //! vectored stream — vectored-write header and entries, payloads straight from registered
 //! memory, …, fence — and the connection's reader matches the peer's acknowledgements to windows
-//! in order. A window finishes exactly once: acknowledged, rejected (an acknowledgement with a
+//! in order. A small window (at most [`INLINE_MAX`] payload bytes) posted while the queue is
+//! empty goes on the wire from the caller's own thread when a connection is idle (nothing
+//! unacknowledged, no writer on its socket) and its send buffer takes the window now: a
+//! single small write then costs no wake-up of a parked writer thread, which on a loaded host
+//! can wait for a scheduler tick. A window finishes exactly once: acknowledged, rejected (an acknowledgement with a
 //! reject status), failed with its connection (only after the socket was shut down), or dropped
 //! unsent. The first rejection or failure fails the batch, and a failed batch's windows are
 //! cancelled instead of sent: no more are queued, and a writer drops a window of a failed batch
@@ -70,7 +74,13 @@ struct ConnShared {
     pending: Mutex<VecDeque<Pending>>,
     dead: Mutex<Option<TransportError>>,
     is_dead: AtomicBool,
+    /// The next window's tag; held while a window goes on the wire (writer thread or an
+    /// inline sender), so windows never interleave on the socket.
+    wire: Mutex<u64>,
 }
+
+/// Largest window (payload bytes) sent from the caller's thread instead of the writer's.
+pub(crate) const INLINE_MAX: usize = 64 << 10;
 
 impl ConnShared {
     fn dead_error(&self) -> TransportError {
@@ -177,6 +187,7 @@ impl TcpSession {
                     pending: Mutex::new(VecDeque::new()),
                     dead: Mutex::new(None),
                     is_dead: AtomicBool::new(false),
+                    wire: Mutex::new(1),
                 });
                 let (w, q, rq) = (shared.clone(), queue.clone(), tx.downgrade());
                 let r = shared.clone();
@@ -310,6 +321,7 @@ async fn post(
     batch::post(
         planned?,
         |writes, ticket| Window { ticket, writes },
+        |w| send_inline(conns, w),
         tx,
         || TcpSession::dead_error(conns),
     )
@@ -318,7 +330,6 @@ async fn post(
 
 /// A connection's sending thread (blocking socket: the kernel sleeps and wakes it directly).
 fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Window>) {
-    let mut next_tag = 1u64;
     let mut meta: Vec<u8> = Vec::new();
     loop {
         if c.is_dead.load(Ordering::Acquire) {
@@ -339,43 +350,10 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             continue;
         }
         let Window { ticket, writes } = w;
-        let tag = next_tag;
-        next_tag += 1;
-        // Control bytes of the whole window: per group of up to MAX_ENTRIES writes a vectored
-        // write header and its entries; then the fence. Payloads stay in registered memory.
-        meta.clear();
-        let groups: Vec<&[WireWrite]> = writes.chunks(MAX_ENTRIES as usize).collect();
-        for g in &groups {
-            meta.extend_from_slice(
-                &ClientFrame::WriteV {
-                    count: g.len() as u32,
-                    tag,
-                }
-                .encode(),
-            );
-            for ww in g.iter() {
-                meta.extend_from_slice(
-                    &Entry {
-                        key: ww.key,
-                        addr: ww.dst,
-                        len: ww.src.len() as u64,
-                    }
-                    .encode(),
-                );
-            }
-        }
-        meta.extend_from_slice(&ClientFrame::Fence { tag }.encode());
-        let mut parts = Vec::with_capacity(writes.len() + 2 * groups.len() + 1);
-        let mut at = 0;
-        for g in &groups {
-            let n = HEADER_LEN + g.len() * ENTRY_LEN;
-            parts.push(IoPart::Bytes(&meta[at..at + n]));
-            at += n;
-            for ww in g.iter().filter(|ww| !ww.src.is_empty()) {
-                parts.push(IoPart::Span(ww.src));
-            }
-        }
-        parts.push(IoPart::Bytes(&meta[at..]));
+        let mut wire = lock(&c.wire);
+        let tag = *wire;
+        *wire += 1;
+        let parts = encode_window(&writes, tag, &mut meta);
         // Checked again as late as possible: past this point the window is on the wire and its
         // batch waits for its acknowledgement (or for this connection to be shut down).
         if ticket.is_cancelled() {
@@ -387,7 +365,7 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             since: Instant::now(),
         };
         if let Err(p) = c.push(pending) {
-            drop(parts);
+            drop((parts, wire));
             c.hand_back(
                 Window {
                     ticket: p.ticket,
@@ -397,7 +375,7 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
             );
             return;
         }
-        match write_parts_blocking(&c.stream, &parts) {
+        match write_parts_blocking(&c.stream, &parts, 0) {
             Ok(n) => {
                 metrics::counter!("kvx_tcp_bytes_sent_total").increment(n);
             }
@@ -411,6 +389,125 @@ fn writer(c: Arc<ConnShared>, queue: SharedQueue, requeue: mpsc::WeakSender<Wind
     }
     // Session dropped: close the socket so the reader ends.
     c.fail(TransportError::Closed);
+}
+
+/// The wire form of a window: per group of up to `MAX_ENTRIES` writes a vectored-write header
+/// and its entries (control bytes built in `meta`), the payloads straight from registered
+/// memory, then the fence.
+fn encode_window<'a>(writes: &'a [WireWrite], tag: u64, meta: &'a mut Vec<u8>) -> Vec<IoPart<'a>> {
+    meta.clear();
+    let groups = writes.chunks(MAX_ENTRIES as usize);
+    for g in groups.clone() {
+        meta.extend_from_slice(
+            &ClientFrame::WriteV {
+                count: g.len() as u32,
+                tag,
+            }
+            .encode(),
+        );
+        for ww in g {
+            meta.extend_from_slice(
+                &Entry {
+                    key: ww.key,
+                    addr: ww.dst,
+                    len: ww.src.len() as u64,
+                }
+                .encode(),
+            );
+        }
+    }
+    meta.extend_from_slice(&ClientFrame::Fence { tag }.encode());
+    let meta: &'a [u8] = meta;
+    let mut parts = Vec::with_capacity(writes.len() + 2 * groups.len() + 1);
+    let mut at = 0;
+    for g in groups {
+        let n = HEADER_LEN + g.len() * ENTRY_LEN;
+        parts.push(IoPart::Bytes(&meta[at..at + n]));
+        at += n;
+        for ww in g.iter().filter(|ww| !ww.src.is_empty()) {
+            parts.push(IoPart::Span(ww.src));
+        }
+    }
+    parts.push(IoPart::Bytes(&meta[at..]));
+    parts
+}
+
+/// Puts a small window on an idle connection from the caller's thread; gives the window back
+/// when it is too big, no connection is idle, or the send buffer takes nothing right now (the
+/// window is then queued for the writers as usual). The window is recorded as in flight before
+/// its first byte is written, exactly as a writer does. Once the send buffer took part of it,
+/// the rest is written blocking: at most `INLINE_MAX` bytes onto a connection whose peer has
+/// acknowledged everything sent before. A peer that stops reading meanwhile is bounded like a
+/// writer's: the reader fails the connection once the window is `ack_timeout` old, and the
+/// shutdown ends the write. Only called on a thread that may block (`batch::post` checks).
+fn send_inline(conns: &[Arc<ConnShared>], w: Window) -> Option<Window> {
+    let bytes: usize = w.writes.iter().map(|ww| ww.src.len()).sum();
+    if bytes > INLINE_MAX || w.writes.len() > MAX_ENTRIES as usize || w.ticket.is_cancelled() {
+        return Some(w);
+    }
+    let mut w = w;
+    for c in conns {
+        if c.is_dead.load(Ordering::Acquire) || !lock(&c.pending).is_empty() {
+            continue;
+        }
+        let Ok(mut wire) = c.wire.try_lock() else {
+            continue;
+        };
+        if !lock(&c.pending).is_empty() {
+            continue;
+        }
+        // As late as a writer checks: another window of the batch may have failed meanwhile.
+        if w.ticket.is_cancelled() {
+            return Some(w);
+        }
+        let tag = *wire;
+        let Window { ticket, writes } = w;
+        let pending = Pending {
+            tag,
+            ticket,
+            since: Instant::now(),
+        };
+        if let Err(p) = c.push(pending) {
+            w = Window {
+                ticket: p.ticket,
+                writes,
+            };
+            continue;
+        }
+        let mut meta = Vec::with_capacity(2 * HEADER_LEN + writes.len() * ENTRY_LEN);
+        let parts = encode_window(&writes, tag, &mut meta);
+        let sent = loop {
+            match mem::writev_nowait(c.stream.as_raw_fd(), &parts, 0) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r,
+            }
+        };
+        let r = match sent {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Nothing written: take the window back (only this holder of `wire` pushes,
+                // and no acknowledgement can come for a window not sent). A connection that
+                // failed meanwhile already finished it.
+                drop(parts);
+                let back = lock(&c.pending).pop_back();
+                return back.map(|p| Window {
+                    ticket: p.ticket,
+                    writes,
+                });
+            }
+            Err(e) => Err(e),
+            Ok(n) => write_parts_blocking(&c.stream, &parts, n).map(|m| m + n as u64),
+        };
+        *wire += 1;
+        match r {
+            Ok(n) => metrics::counter!("kvx_tcp_bytes_sent_total").increment(n),
+            Err(e) => c.fail(TransportError::PeerLost {
+                peer: c.peer.clone(),
+                detail: e.to_string(),
+            }),
+        }
+        return None;
+    }
+    Some(w)
 }
 
 /// A connection's acknowledgement thread: reads ACKs, and fails the connection when the oldest
@@ -476,13 +573,16 @@ fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
     }
 }
 
-/// Writes every byte of `parts` on a blocking socket.
+/// Writes every byte of `parts` after the first `skip` on a blocking socket; returns the bytes
+/// it wrote.
 fn write_parts_blocking(
     stream: &std::net::TcpStream,
     parts: &[IoPart<'_>],
+    skip: usize,
 ) -> std::io::Result<u64> {
     let fd = stream.as_raw_fd();
-    let (mut idx, mut off, mut total) = (0usize, 0usize, 0u64);
+    let (mut idx, mut off) = super::io::advance(parts, 0, 0, skip);
+    let mut total = 0u64;
     while idx < parts.len() {
         if parts[idx].len() == off {
             idx += 1;
@@ -550,3 +650,7 @@ fn on_ack(c: &ConnShared, buf: &[u8; HEADER_LEN]) -> Result<(), AckFailure> {
     });
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "client_tests.rs"]
+mod tests;
