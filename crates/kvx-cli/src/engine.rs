@@ -225,6 +225,9 @@ impl PrefillMemory {
 }
 
 /// What the engine tells its embedder (when `events` is on).
+///
+/// Deliberately not `#[non_exhaustive]`: an embedder must act on every event (pages are handed
+/// back by them), so a new variant is a breaking change by design.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineEvent {
     /// Every decode of the room sent metadata; the room has `pages` destination pages.
@@ -245,6 +248,7 @@ pub enum EngineEvent {
 
 /// Why the engine did not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The inbox could not be bound.
     #[error("inbox: {0}")]

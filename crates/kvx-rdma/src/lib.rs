@@ -55,6 +55,16 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Stability
+//!
+//! [`TransportError`], [`RejectReason`] and the backends' error enums (`DescriptorError`,
+//! `HostFileError`, the tcp and Mooncake wire and handshake errors, `VerbsError`) are
+//! `#[non_exhaustive]`: match them with a wildcard arm that treats an unknown cause as a generic
+//! failure, or use [`TransportError::label`]. The config structs ([`TcpConfig`],
+//! [`MooncakeConfig`], `VerbsConfig`) keep public fields; build them as
+//! `TcpConfig { max_connections: 64, ..TcpConfig::default() }` — a field added later comes with a
+//! default that keeps the old behaviour, so such code keeps compiling.
 
 pub mod auto;
 mod batch;

@@ -61,8 +61,7 @@ impl Owner {
             Some(Err(e)) => {
                 // Mostly a response to another rank's request for a room this rank already
                 // concluded: every prefill rank of a room gets every response.
-                metrics::counter!("kvx_staging_dropped_total", "kind" => error_kind(&e))
-                    .increment(1);
+                metrics::counter!("kvx_staging_dropped_total", "kind" => e.kind()).increment(1);
                 tracing::debug!(error = %e, "STAGING_RSP dropped");
             }
             Some(Ok(())) => {}
@@ -117,13 +116,5 @@ impl Owner {
             metrics::gauge!("kvx_staging_rooms").set(rooms as f64);
             metrics::gauge!("kvx_staging_parked_chunks").set(parked as f64);
         }
-    }
-}
-
-fn error_kind(e: &kvx_staging::PrefillError) -> &'static str {
-    match e {
-        kvx_staging::PrefillError::UnknownRoom(_) => "unknown_room",
-        kvx_staging::PrefillError::Conflict(_) => "conflict",
-        kvx_staging::PrefillError::TooManyChunks(_) => "too_many_chunks",
     }
 }
