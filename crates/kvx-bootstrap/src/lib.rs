@@ -60,6 +60,7 @@
 //! public fields; build them from their constructor or `Default` and override fields with
 //! `..` — a field added later comes with a default that keeps the old behaviour.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod codec;

@@ -30,6 +30,8 @@
 //! structs keep public fields; build them from their constructor or `Default` and override fields
 //! with `..` — a field added later comes with a default that keeps the old behaviour.
 
+#![warn(missing_docs)]
+
 pub mod bootstrap_cmd;
 pub mod config;
 pub mod decode;

@@ -58,6 +58,7 @@
 //! as `PrefillConfig { max_sessions: 64, ..PrefillConfig::default() }` — a field added later comes
 //! with a default that keeps the old behaviour, so such code keeps compiling.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod chunk;

@@ -66,6 +66,8 @@
 //! `TcpConfig { max_connections: 64, ..TcpConfig::default() }` — a field added later comes with a
 //! default that keeps the old behaviour, so such code keeps compiling.
 
+#![warn(missing_docs)]
+
 pub mod auto;
 mod batch;
 mod conn_limit;

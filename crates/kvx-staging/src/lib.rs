@@ -66,6 +66,7 @@
 //! match. [`DecodeAction`] is not: a driver must perform every action, so a new one is a breaking
 //! change by design.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod copy;
