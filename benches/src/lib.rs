@@ -1,1 +1,3 @@
 //! Shared helpers for the kvx benchmarks.
+
+#![warn(missing_docs)]

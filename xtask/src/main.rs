@@ -2,8 +2,8 @@
 //!
 //! - `cargo xtask test`: installs what the tests need when it is missing (Debian packages, the
 //!   Python venv for the interop peers), then runs `cargo fmt --check`, clippy with `-D warnings`,
-//!   every test of the workspace (nextest when present, doc tests too), then the short profile of
-//!   `cargo xtask integration`.
+//!   `cargo doc --no-deps` with `RUSTDOCFLAGS=-D warnings`, every test of the workspace (nextest
+//!   when present, doc tests too), then the short profile of `cargo xtask integration`.
 //! - `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target for a bounded time.
 //! - `cargo xtask bench [transport|e2e|interop]`: the benchmarks anyone can rerun, whole rooms end
 //!   to end, and kvx's mooncake backend against the real Mooncake TE (`interop`); writes
@@ -149,6 +149,15 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
             "--",
         ])
         .args(["-D", "warnings"]))?;
+    // The API docs build without a warning (broken intra-doc links, undocumented public items
+    // through each library crate's `missing_docs` lint). `--no-deps` documents only the
+    // workspace's crates: a few seconds on top of clippy, whose dependency metadata it reuses.
+    run(cargo().env("RUSTDOCFLAGS", "-D warnings").args([
+        "doc",
+        "--workspace",
+        "--no-deps",
+        "--all-features",
+    ]))?;
     if let Some(v) = venv {
         v.join()
             .map_err(|_| anyhow::anyhow!("the venv setup thread panicked"))?

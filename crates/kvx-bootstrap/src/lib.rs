@@ -51,7 +51,16 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Stability
+//!
+//! Error enums (`CodecError`, `PackedError`, `SocketError`, `ClientError`,
+//! `RegistrationConflict`) are `#[non_exhaustive]`: match them with a wildcard arm (or use their
+//! `kind()` labels). The option structs (`InboxConfig`, `PushOptions`, `ServerConfig`) keep
+//! public fields; build them from their constructor or `Default` and override fields with
+//! `..` — a field added later comes with a default that keeps the old behaviour.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod codec;

@@ -2,7 +2,7 @@
 //!
 //! Every flag that has an sglang counterpart reads the same environment variable
 //! (`SGLANG_DISAGGREGATION_*`), so a deployment's environment configures kvx the same way. Every
-//! flag can also come from a TOML file (`--config kvx.toml`, see [`file`]): command line >
+//! flag can also come from a TOML file (`--config kvx.toml`, see [`mod@file`]): command line >
 //! environment variable > file > default.
 
 pub mod file;

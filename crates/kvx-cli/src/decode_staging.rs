@@ -30,6 +30,7 @@ pub type Outgoing = (Endpoint, Frames);
 
 /// Why a staging message was refused (logged, counted and dropped by the decode).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StagingError {
     /// The state machine refused it (unknown room, wrong session, chunk off the grid, …).
     #[error(transparent)]
@@ -49,13 +50,7 @@ impl StagingError {
     /// A stable label for metrics.
     pub fn kind(&self) -> &'static str {
         match self {
-            StagingError::State(DecodeError::UnknownRoom(_)) => "unknown_room",
-            StagingError::State(DecodeError::RoomExists(_)) => "room_exists",
-            StagingError::State(DecodeError::WrongSession { .. }) => "wrong_session",
-            StagingError::State(DecodeError::ChunkOutOfGrid { .. }) => "chunk_out_of_grid",
-            StagingError::State(DecodeError::ChunkMismatch { .. }) => "chunk_mismatch",
-            StagingError::State(DecodeError::ChunkNotAllocated { .. }) => "chunk_not_allocated",
-            StagingError::State(DecodeError::NotScattering { .. }) => "not_scattering",
+            StagingError::State(e) => e.kind(),
             StagingError::Copy(_) => "scatter_geometry",
             StagingError::Bounds(_) => "scatter_bounds",
             StagingError::Geometry(_) => "geometry",

@@ -34,6 +34,38 @@
 //!     engine.send(room, Chunk::new(PageSlice::new(0, 2).unwrap(), vec![3, 4]).last()).unwrap();
 //! }
 //! ```
+//!
+//! # Caller-owned memory: the safety contract
+//!
+//! A serving stack hands its own buffers to an engine ([`PrefillEngine`] here,
+//! [`crate::decode::engine::DecodeEngine`] on the decode side) as [`Region`]s made with the
+//! `unsafe` [`Region::from_raw`]; nothing is copied and the engine never frees them. The
+//! contract has four parts, the first two being `from_raw`'s `# Safety`:
+//!
+//! 1. **Host memory, valid until shutdown.** Each range is host memory of this process, readable
+//!    and writable, until [`PrefillEngine::shutdown`] returned `true` (it also runs on drop;
+//!    `false` means threads were still running — leak the memory rather than free it), or
+//!    `DecodeEngine::shutdown` returned. Device memory is not accepted by the engines: they
+//!    touch memory through the CPU (the room id written into aux rows, staging gather and
+//!    scatter, the decode's check that an aborted room's pages stopped changing), whatever the
+//!    backend. What each data-plane backend could register is listed in `kvx-rdma`'s crate docs.
+//! 2. **No references into live pages.** Peers and the data plane read and write the ranges
+//!    from other threads at any time; code outside kvx holds no `&[u8]`/`&mut [u8]` over pages
+//!    of a room in flight. Move bytes with [`Region::copy_in`]/[`Region::copy_out`], or use the
+//!    `unsafe` views [`Region::view`]/[`Region::with_mut`] only on pages the caller owns (3).
+//! 3. **Per-room ownership.** Prefill: the pages a chunk names, and the room's aux row (the
+//!    engine writes the room id into it), are read by the data plane from
+//!    [`PrefillEngine::send`] until the room is released — [`EngineEvent::Released`] with
+//!    [`PrefillConfig::events`] on, else [`PrefillEngine::poll`] returning `None` after a
+//!    terminal status; the forward pass must not overwrite them before. Decode: a room's pages
+//!    and aux row belong to the engine from `open_room` until its `Released` event (see
+//!    [`crate::decode::engine`]); read them only after `Done` with status Success.
+//! 4. **Disjoint ranges.** The KV, aux, state and staging regions of one engine do not overlap
+//!    (the data plane refuses overlapping registrations); two engines in one process must not
+//!    share a range either.
+//!
+//! The [`Region`] methods themselves are safe: every access is bounds-checked against the
+//! region, so an index from the network can at worst fail a room.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender};
@@ -225,6 +257,9 @@ impl PrefillMemory {
 }
 
 /// What the engine tells its embedder (when `events` is on).
+///
+/// Deliberately not `#[non_exhaustive]`: an embedder must act on every event (pages are handed
+/// back by them), so a new variant is a breaking change by design.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineEvent {
     /// Every decode of the room sent metadata; the room has `pages` destination pages.
@@ -245,6 +280,7 @@ pub enum EngineEvent {
 
 /// Why the engine did not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The inbox could not be bound.
     #[error("inbox: {0}")]

@@ -7,6 +7,7 @@
 
 /// Why a transfer worker stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WorkerFault {
     /// The worker panicked; the payload text.
     #[error("panic: {0}")]

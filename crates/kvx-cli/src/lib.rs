@@ -20,6 +20,17 @@
 //! assert!(model::check_page(&page, 42, 0, 3));
 //! assert!(!model::check_page(&page, 43, 0, 3));
 //! ```
+//!
+//! ## Stability
+//!
+//! Error enums (`EngineError`, `StagingError`, `LifecycleError`, `BackendError`, `WorkerFault`,
+//! the config errors) are `#[non_exhaustive]`. The engines' events
+//! ([`engine::EngineEvent`], [`decode::engine::DecodeEngineEvent`]) are not: an embedder must act
+//! on each (pages come back through them), so a new one is a breaking change by design. Config
+//! structs keep public fields; build them from their constructor or `Default` and override fields
+//! with `..` — a field added later comes with a default that keeps the old behaviour.
+
+#![warn(missing_docs)]
 
 pub mod bootstrap_cmd;
 pub mod config;

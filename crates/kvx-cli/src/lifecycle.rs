@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 /// Why the signal handlers could not be installed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LifecycleError {
     /// The runtime or a handler could not be created.
     #[error("installing the signal handlers: {0}")]

@@ -27,6 +27,11 @@ fn main() {
             eprintln!("kvx: {e}");
             std::process::exit(2);
         }
+        // `CliError` is non-exhaustive: a cause added later is still a usage error.
+        Err(e) => {
+            eprintln!("kvx: {e:?}");
+            std::process::exit(2);
+        }
     };
     // Failpoints (feature `failpoints`) are configured by the FAILPOINTS environment variable.
     let _failpoints = fail::FailScenario::setup();

@@ -106,6 +106,7 @@ impl Default for RdmaOptions {
 
 /// Why a backend cannot run on this host or build; each message names the flag to change.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BackendError {
     /// `--backend verbs` on a host without a usable RDMA device.
     #[error(

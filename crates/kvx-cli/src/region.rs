@@ -110,6 +110,8 @@ impl Region {
     /// it concurrently; code outside kvx must not hold references into pages of a room in flight
     /// (the page-ownership contract of this module). Device memory is not host memory: the
     /// region's methods read and write through the CPU, so only host addresses may be given.
+    /// An engine adds per-room ownership and disjoint ranges: see the contract in
+    /// [`crate::engine`] (*Caller-owned memory*).
     pub unsafe fn from_raw(addr: u64, len: usize) -> Option<Region> {
         if addr == 0 || addr.checked_add(len as u64).is_none() {
             return None;

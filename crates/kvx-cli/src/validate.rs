@@ -15,6 +15,7 @@ pub const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
 
 /// Why one flag's value was refused (clap prefixes the flag and the value).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ValueError {
     /// Not a number.
     #[error("not a number (expected {expected})")]
@@ -152,6 +153,7 @@ pub fn host_port(s: &str) -> Result<HostPort, ValueError> {
 
 /// A check across flags that failed (before anything was bound or sent).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A rank not below its size.
     #[error("{rank_flag} {rank} is out of range for {size_flag} {size} (expected 0..={max})", max = .size.saturating_sub(1))]

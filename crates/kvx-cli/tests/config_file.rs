@@ -149,6 +149,7 @@ fn parse(argv: &[&str]) -> kvx_cli::config::Cli {
         Ok((cli, _)) => cli,
         Err(file::CliError::Clap(e, note)) => panic!("{argv:?}: {e} {note:?}"),
         Err(file::CliError::File(e)) => panic!("{argv:?}: {e}"),
+        Err(e) => panic!("{argv:?}: {e:?}"),
     }
 }
 

@@ -39,6 +39,9 @@ impl Default for DecodeConfig {
 }
 
 /// Something that happened on the decode side.
+///
+/// Deliberately not `#[non_exhaustive]`, like the actions: a new event changes what drivers must
+/// feed, so adding one is a breaking change by design.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeEvent {
     /// A receiver was created for a room whose prefill bootstrap server is `bootstrap_addr`.
@@ -98,6 +101,7 @@ pub enum DecodeEvent {
 
 /// Why a decode room failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DecodeFailure {
     /// A prefill rank reported status 0.
     #[error("{}", .reason.as_deref().unwrap_or("Failed to get kvcache from prefill instance, it might be dead"))]
@@ -131,6 +135,10 @@ pub enum DecodeFailure {
 }
 
 /// Something the decode driver must do.
+///
+/// Deliberately not `#[non_exhaustive]`: a driver must perform every action, so its `match` has
+/// no wildcard arm and a new variant is a breaking change by design (the compiler then points at
+/// every driver that must learn it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeAction {
     /// Send `[ABORT, room, decode_ip, decode_port]` (plus `generation` as a 5th frame when set)
@@ -157,6 +165,7 @@ pub enum DecodeAction {
 
 /// An event dropped without any state change.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DecodeError {
     /// The room is not held (never created, or already concluded).
     #[error("unknown room {0}")]

@@ -62,6 +62,7 @@ pub enum AttentionKind {
 
 /// Why a layout is inconsistent.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LayoutError {
     /// `page_size` is zero.
     #[error("page size is zero")]

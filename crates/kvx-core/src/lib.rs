@@ -45,7 +45,20 @@
 //!
 //! The room managers ([`PrefillManager`], [`DecodeManager`]) are driven with
 //! `handle(now, event, &mut actions)`; see their module docs.
+//!
+//! ## Stability
+//!
+//! Error and failure-reason enums ([`PlanError`], [`RoomError`](prefill::RoomError),
+//! [`PrefillError`](prefill::PrefillError), [`DecodeFailure`](decode::DecodeFailure),
+//! [`DecodeError`](decode::DecodeError), [`LayoutError`],
+//! [`MappingError`](mapping::MappingError), [`RoomParseError`]) are `#[non_exhaustive]`: match them
+//! with a wildcard arm that treats an unknown cause as a generic failure. The managers' events and
+//! actions are not: a driver must perform every action, so a new one is a breaking change by
+//! design. The config structs ([`PrefillConfig`], [`DecodeConfig`]) keep public fields; build them
+//! as `PrefillConfig { max_sessions: 64, ..PrefillConfig::default() }` — a field added later comes
+//! with a default that keeps the old behaviour, so such code keeps compiling.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod chunk;

@@ -65,6 +65,7 @@ pub const MAX_TARGETS: u64 = 1 << 16;
 
 /// Why two parallel layouts cannot be mapped.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MappingError {
     /// A size is zero.
     #[error("parallel sizes must be non-zero")]

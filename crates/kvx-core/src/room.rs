@@ -14,6 +14,7 @@ pub struct Room(std::num::NonZeroU64);
 
 /// Why a byte string is not a valid [`Room`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RoomParseError {
     /// The input was empty.
     #[error("room is empty")]

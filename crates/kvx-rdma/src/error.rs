@@ -9,6 +9,7 @@ use std::io;
 
 /// Why a receiver refused a write (or why the sender refused to post it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RejectReason {
     /// The destination range is not inside the region that the key names.
     OutOfBounds,
@@ -61,6 +62,7 @@ impl fmt::Display for RejectReason {
 
 /// A data-plane error.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum TransportError {
     /// The backend has no usable device (verbs without an RDMA NIC, for instance).
     #[error("no device: {0}")]

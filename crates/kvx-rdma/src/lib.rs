@@ -25,6 +25,25 @@
 //! assert!(d.find(0x10f00, 512).is_none());
 //! ```
 //!
+//! ## What memory each backend accepts
+//!
+//! [`Transport::register`] takes a virtual address range of this process; what the range may be
+//! depends on who touches its bytes:
+//!
+//! | backend | accepts | why |
+//! |---|---|---|
+//! | `tcp` | host memory | the kernel's socket calls read it on the sender and write it on the receiver |
+//! | `mooncake` | host memory | the same over Mooncake TE's TCP transport; kvx's implementation has no CUDA copy path |
+//! | `auto` | host memory | `mooncake` or `tcp` per peer |
+//! | `local`, same process | host memory | plain `memcpy` between the two transports' registered ranges |
+//! | `local` across processes (`shm` in `kvx`) | receiver: a `/dev/shm` file ([`ShmRegion`], [`LocalTransport::register_shm`]); sender: host memory | the sender maps the receiver's files and copies into them |
+//! | `verbs` | host memory; device memory only with a GPUDirect-RDMA capable NIC | `ibv_reg_mr` pins the range and the NIC moves the bytes; a GPU pointer registers only where the kernel's peer-memory module resolves it (`nvidia-peermem`; kvx does not use dma-buf registration), which kvx does not check and has not been tested with |
+//!
+//! Host memory means ordinary pageable or pinned memory of this process (heap, `mmap`, a serving
+//! stack's host KV pool); on every backend but `verbs` the CPU moves the bytes, so a device
+//! pointer there is undefined behaviour, not an error. Registration never copies: the range is
+//! used in place until [`Transport::deregister`] returns.
+//!
 //! A decode-side receiver and a prefill-side sender over the tcp backend:
 //!
 //! ```
@@ -55,6 +74,18 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Stability
+//!
+//! [`TransportError`], [`RejectReason`] and the backends' error enums (`DescriptorError`,
+//! `HostFileError`, the tcp and Mooncake wire and handshake errors, `VerbsError`) are
+//! `#[non_exhaustive]`: match them with a wildcard arm that treats an unknown cause as a generic
+//! failure, or use [`TransportError::label`]. The config structs ([`TcpConfig`],
+//! [`MooncakeConfig`], `VerbsConfig`) keep public fields; build them as
+//! `TcpConfig { max_connections: 64, ..TcpConfig::default() }` — a field added later comes with a
+//! default that keeps the old behaviour, so such code keeps compiling.
+
+#![warn(missing_docs)]
 
 pub mod auto;
 mod batch;

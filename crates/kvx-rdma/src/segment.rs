@@ -58,6 +58,7 @@ const REGION_WIRE_LEN: usize = 24;
 
 /// A descriptor that could not be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DescriptorError {
     /// The input ended early.
     #[error("descriptor truncated: need {need} bytes, have {have}")]

@@ -12,6 +12,7 @@
 //!
 //! `cargo xtask sim [--seed S] [--steps N] [--mutant NAME]` runs the `kvx-sim` binary.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod clock;

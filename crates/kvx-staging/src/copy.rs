@@ -9,6 +9,7 @@
 
 /// Why a gather or scatter was refused (checked before any byte moves).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CopyError {
     /// Page size zero, or the item length is not a whole number of slots.
     #[error("invalid slice spec: {0}")]

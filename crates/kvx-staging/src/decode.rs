@@ -29,6 +29,7 @@ use crate::ring::{AllocId, Placement, StagingRing, Watermark};
 /// Why a decode-side staging event was refused. The driver logs and counts it; for the
 /// `Chunk*` variants it should fail the room (the prefill would otherwise wait forever).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DecodeError {
     /// The room is not registered for staging (sglang drops such requests with a warning).
     #[error("room {0} is not registered for staging")]
@@ -90,6 +91,22 @@ pub enum DecodeError {
     },
 }
 
+impl DecodeError {
+    /// A short stable label for metrics and logs (one per variant; a variant added later gets
+    /// its own label, so drivers need not match on the variants).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DecodeError::UnknownRoom(_) => "unknown_room",
+            DecodeError::RoomExists(_) => "room_exists",
+            DecodeError::WrongSession { .. } => "wrong_session",
+            DecodeError::ChunkOutOfGrid { .. } => "chunk_out_of_grid",
+            DecodeError::ChunkMismatch { .. } => "chunk_mismatch",
+            DecodeError::ChunkNotAllocated { .. } => "chunk_not_allocated",
+            DecodeError::NotScattering { .. } => "not_scattering",
+        }
+    }
+}
+
 /// What the decode needs to know about one staged room.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DecodeRoom<P> {
@@ -117,6 +134,10 @@ pub struct ScatterJob {
 }
 
 /// An action for the decode driver.
+///
+/// Deliberately not `#[non_exhaustive]`: a driver must perform every action, so its `match` has
+/// no wildcard arm and a new variant is a breaking change by design (the compiler then points at
+/// every driver that must learn it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeAction<P> {
     /// Send `STAGING_RSP` to these prefill ranks (only to `pp_rank` when set).

@@ -15,6 +15,7 @@ use crate::ring::Placement;
 
 /// Why a TP geometry is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum GeometryError {
     /// A size was zero or the TP sizes do not divide each other.
     #[error("invalid TP geometry: {0}")]

@@ -58,7 +58,15 @@
 //! decode.release_room(room);
 //! assert!(prefill.is_idle() && decode.live_allocations() == 0);
 //! ```
+//!
+//! ## Stability
+//!
+//! The error enums ([`PrefillError`], [`DecodeError`], [`GeometryError`], [`CopyError`]) are
+//! `#[non_exhaustive]`; `PrefillError::kind` and `DecodeError::kind` give a stable label without a
+//! match. [`DecodeAction`] is not: a driver must perform every action, so a new one is a breaking
+//! change by design.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod copy;

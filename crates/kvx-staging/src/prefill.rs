@@ -41,6 +41,7 @@ pub struct Wake {
 
 /// Why a prefill-side staging event was refused (logged, counted and dropped by the driver).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PrefillError {
     /// A `STAGING_RSP` for a room this rank has not prefetched (concluded, or not yet known;
     /// this rank's own request will be answered again).
@@ -52,6 +53,18 @@ pub enum PrefillError {
     /// A chunk index does not fit the wire's integer.
     #[error("room {0} has more chunks than fit in u32")]
     TooManyChunks(Room),
+}
+
+impl PrefillError {
+    /// A short stable label for metrics and logs (one per variant; a variant added later gets
+    /// its own label, so drivers need not match on the variants).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PrefillError::UnknownRoom(_) => "unknown_room",
+            PrefillError::Conflict(_) => "conflict",
+            PrefillError::TooManyChunks(_) => "too_many_chunks",
+        }
+    }
 }
 
 /// The prefill rank's staging state.

@@ -6,6 +6,7 @@ use kvx_core::RoomParseError;
 
 /// Why a packed-int-lists field (spec §3, `CU:37-67`) could not be decoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PackedError {
     /// Fewer than 4 bytes where the list count should be.
     #[error("count header truncated")]

@@ -18,6 +18,7 @@ use crate::http::registry::RouteQuery;
 
 /// A failed bootstrap call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The request could not be built, sent, or its answer read (includes timeouts).
     #[error("bootstrap request failed: {0}")]

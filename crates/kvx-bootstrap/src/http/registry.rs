@@ -104,6 +104,7 @@ impl Topology {
 /// A `PUT /route` that disagrees with the ranks registered before it (sglang 0.5.23 answers it
 /// with 400 and these texts, and keeps nothing of it).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegistrationConflict {
     /// `dsv41_spec_layout` differs from the earlier ranks'.
     #[error("DeepSeek-V4.1 DSpark PD layout differs across prefill ranks")]

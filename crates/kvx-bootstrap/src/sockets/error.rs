@@ -2,6 +2,7 @@
 
 /// A socket operation that failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SocketError {
     /// libzmq refused an operation (`what` says which).
     #[error("zmq {what} failed for {addr}: {source}")]

@@ -27,6 +27,7 @@ const CONFIG_ID: &str = "config";
 
 /// Why a configuration file could not be used.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FileError {
     /// The file could not be read.
     #[error("--config {}: cannot read it: {source}", path.display())]
@@ -98,6 +99,7 @@ pub struct Applied {
 
 /// Why the command line (with its file) was not usable.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum CliError {
     /// clap's error (also `--help` and `--version`), with a note when a refused value came from
     /// the file.

@@ -6,6 +6,7 @@ use super::Peer;
 
 /// Why an `AUX_DATA` row was not written (logged, counted, dropped).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AuxError {
     /// No such aux buffer here.
     #[error("aux buffer {0} does not exist")]

@@ -154,6 +154,9 @@ impl DecodeMemory {
 }
 
 /// What the engine tells its embedder (with [`DecodeEngineConfig::events`]).
+///
+/// Deliberately not `#[non_exhaustive]`: an embedder must act on every event (pages are handed
+/// back by them), so a new variant is a breaking change by design.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeEngineEvent {
     /// The room is terminal.

@@ -68,8 +68,7 @@ impl Owner {
             Some(Err(e)) => {
                 // Mostly a response to another rank's request for a room this rank already
                 // concluded: every prefill rank of a room gets every response.
-                metrics::counter!("kvx_staging_dropped_total", "kind" => error_kind(&e))
-                    .increment(1);
+                metrics::counter!("kvx_staging_dropped_total", "kind" => e.kind()).increment(1);
                 tracing::debug!(error = %e, "STAGING_RSP dropped");
             }
             Some(Ok(())) => {}
@@ -177,10 +176,3 @@ pub(super) const PROBE_PERIOD: Duration = Duration::from_secs(2);
 /// How long a probe's TCP connect may take before the decode counts as gone.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-fn error_kind(e: &kvx_staging::PrefillError) -> &'static str {
-    match e {
-        kvx_staging::PrefillError::UnknownRoom(_) => "unknown_room",
-        kvx_staging::PrefillError::Conflict(_) => "conflict",
-        kvx_staging::PrefillError::TooManyChunks(_) => "too_many_chunks",
-    }
-}

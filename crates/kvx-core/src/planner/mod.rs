@@ -42,6 +42,7 @@ pub enum Side {
 /// Why a plan could not be built. Every variant is a per-room error: the room fails, the engine
 /// keeps running.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PlanError {
     /// A layout is inconsistent.
     #[error("invalid layout: {0}")]

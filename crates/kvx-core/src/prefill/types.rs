@@ -114,6 +114,9 @@ pub enum TransferPath {
 }
 
 /// Something that happened, fed into [`super::PrefillManager::handle`].
+///
+/// Deliberately not `#[non_exhaustive]`, like the actions: a new event changes what drivers must
+/// feed, so adding one is a breaking change by design.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PrefillEvent {
     /// A decode session registered (or re-registered) its memory.
@@ -195,6 +198,10 @@ pub enum PrefillEvent {
 }
 
 /// Something the driver must do, in order.
+///
+/// Deliberately not `#[non_exhaustive]`: a driver must perform every action, so its `match` has
+/// no wildcard arm and a new variant is a breaking change by design (the compiler then points at
+/// every driver that must learn it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PrefillAction {
     /// Write the room id (u64 LE, see [`crate::fill_room_row`]) into the local `bootstrap_room`
@@ -296,6 +303,7 @@ pub enum PrefillAction {
 /// Why a room failed. The `Display` text is the reason sent to decodes and recorded for the
 /// scheduler.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RoomError {
     /// Planning failed (bad indices, layouts that do not fit).
     #[error("Failed to plan kv transfer of {room} to {session}: {source}")]
@@ -418,6 +426,7 @@ impl RoomError {
 
 /// An event that was dropped without changing any state (the driver logs and counts it).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PrefillError {
     /// The event names a room this rank does not know.
     #[error("unknown room {0}")]

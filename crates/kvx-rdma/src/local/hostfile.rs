@@ -28,6 +28,7 @@ pub struct HostFile {
 
 /// A host file that could not be parsed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum HostFileError {
     /// The first line is not `kvx-local 1 <pid>`.
     #[error("bad header line")]

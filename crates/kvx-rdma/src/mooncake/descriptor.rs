@@ -56,6 +56,7 @@ pub struct MooncakeDescriptor {
 
 /// A descriptor that could not be parsed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MooncakeDescriptorError {
     /// Not JSON.
     #[error("bad JSON: {0}")]

@@ -68,6 +68,7 @@ impl RequestType {
 
 /// A malformed handshake frame.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum HandshakeError {
     /// Fewer bytes than the frame needs.
     #[error("truncated frame: need {need} bytes, have {have}")]

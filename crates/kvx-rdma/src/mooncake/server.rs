@@ -34,6 +34,7 @@ const HANDSHAKE_LINGER: Duration = Duration::from_secs(1);
 
 /// Why one handshake or data connection was dropped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServeError {
     /// A malformed handshake frame.
     #[error(transparent)]

@@ -30,6 +30,7 @@ pub const STATUS_ADDR_REJECTED: u32 = 1;
 
 /// A malformed header or status frame.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum WireError {
     /// Fewer bytes than the fixed size.
     #[error("truncated: need {need} bytes, have {have}")]

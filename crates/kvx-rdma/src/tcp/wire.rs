@@ -61,6 +61,7 @@ pub struct Hello {
 
 /// A malformed hello.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum HelloError {
     /// The magic is not `KVXT`.
     #[error("bad magic {0:02x?}")]
@@ -256,6 +257,7 @@ pub struct Ack {
 
 /// A malformed acknowledgement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AckError {
     /// Kind is not [`KIND_ACK`] or reserved bytes are set.
     #[error("not an ack frame (kind {0:#x})")]

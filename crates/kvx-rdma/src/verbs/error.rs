@@ -9,6 +9,7 @@ use std::io;
 
 /// A verbs-backend error.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum VerbsError {
     /// No usable RDMA device: the kernel lacks verbs support (ENOSYS), libibverbs is missing
     /// (EOPNOTSUPP), no device node (ENODEV), or the device list is empty.
