@@ -175,4 +175,3 @@ pub(super) const PROBE_PERIOD: Duration = Duration::from_secs(2);
 
 /// How long a probe's TCP connect may take before the decode counts as gone.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-
