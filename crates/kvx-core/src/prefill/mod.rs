@@ -348,20 +348,7 @@ impl PrefillManager {
     /// chunk could write the old pages into the new process (found by kvx-sim, seed 65).
     fn register(&mut self, reg: DecodeRegistration, out: &mut Vec<PrefillAction>) {
         if self.sessions.contains_key(&reg.session) {
-            let mut stale: Vec<Room> = self
-                .rooms
-                .iter()
-                .filter(|(_, rs)| {
-                    !rs.status.is_terminal()
-                        && rs
-                            .infos
-                            .iter()
-                            .any(|i| i.session == reg.session && !i.is_dummy())
-                })
-                .map(|(r, _)| *r)
-                .collect();
-            stale.sort_unstable();
-            for room in stale {
+            for room in self.open_rooms_writing_to(&reg.session) {
                 let err = RoomError::SessionDead {
                     room,
                     session: reg.session.clone(),
@@ -712,12 +699,9 @@ impl PrefillManager {
         Ok(())
     }
 
-    /// Blacklists `session` for the failed-session TTL and fails every open room writing to it
-    /// (in room order), each released once nothing of it is in flight.
-    fn session_lost(&mut self, now: Instant, session: &SessionId, out: &mut Vec<PrefillAction>) {
-        if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
-            self.failed.insert(session.clone(), until);
-        }
+    /// The open rooms with a non-dummy destination on `session`, in room order (the same
+    /// inputs give the same actions).
+    fn open_rooms_writing_to(&self, session: &SessionId) -> Vec<Room> {
         let mut rooms: Vec<Room> = self
             .rooms
             .iter()
@@ -731,7 +715,16 @@ impl PrefillManager {
             .map(|(r, _)| *r)
             .collect();
         rooms.sort_unstable();
-        for room in rooms {
+        rooms
+    }
+
+    /// Blacklists `session` for the failed-session TTL and fails every open room writing to it
+    /// (in room order), each released once nothing of it is in flight.
+    fn session_lost(&mut self, now: Instant, session: &SessionId, out: &mut Vec<PrefillAction>) {
+        if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
+            self.failed.insert(session.clone(), until);
+        }
+        for room in self.open_rooms_writing_to(session) {
             let err = RoomError::SessionDead {
                 room,
                 session: session.clone(),
