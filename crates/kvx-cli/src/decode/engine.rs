@@ -622,7 +622,9 @@ impl Inner {
                         *cell = Arc::default();
                     }
                 });
-                lock(&self.tasks).push(task);
+                let mut tasks = lock(&self.tasks);
+                tasks.retain(|t| !t.is_finished());
+                tasks.push(task);
             }
             return Ok(dead);
         }

@@ -7,7 +7,7 @@
 //! A staged room can wait on its decode with nothing in flight (for ring space, for a
 //! watermark), so no failed write would reveal a decode that died. Every [`PROBE_PERIOD`]
 //! while rooms wait on a session, a task tries a TCP connection to that decode's inbox (closed
-//! at once, which ZMQ ignores); a refused or silent one is reported as
+//! at once, which ZMQ ignores); two refused or silent ones in a row are reported as
 //! [`Input::SessionLost`](super::owner::Input::SessionLost), and the manager fails the session's
 //! open rooms at once instead of after the staging wait timeout.
 
@@ -149,8 +149,16 @@ impl Owner {
             self.probed.insert(session.clone(), now);
             let inputs = self.inputs.clone();
             self.workers.rt.spawn(async move {
-                if kvx_bootstrap::http::tcp_alive(&inbox.host, inbox.port, PROBE_TIMEOUT).await {
-                    return;
+                // Two failed connects in a row, half a second apart: one refused SYN on a busy
+                // host does not fail rooms.
+                for attempt in 0..2 {
+                    if attempt > 0 {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    if kvx_bootstrap::http::tcp_alive(&inbox.host, inbox.port, PROBE_TIMEOUT).await
+                    {
+                        return;
+                    }
                 }
                 metrics::counter!("kvx_staging_sessions_lost_total").increment(1);
                 tracing::warn!(
