@@ -510,9 +510,23 @@ pub struct SendArgs {
     /// the reported percentiles are the round-trip latency of one batch).
     #[arg(long, default_value_t = 2, value_parser = validate::count)]
     pub depth: usize,
-    /// Total bytes to send, in MiB.
+    /// Total bytes to send, in MiB (per block size of a sweep; `--duration` instead bounds by
+    /// time).
     #[arg(long, default_value_t = 4096, value_parser = validate::count_u64)]
     pub total_mib: u64,
+    /// Send for this many seconds (per block size) instead of `--total-mib`, like iperf3's `-t`.
+    #[arg(long, value_parser = validate::seconds)]
+    pub duration: Option<f64>,
+    /// Print a line every this many seconds (bytes, GB/s, batch latency p50/p99); 0: none.
+    #[arg(long, default_value = "1", value_parser = validate::interval)]
+    pub interval: f64,
+    /// Block-size sweep: one run per size, comma separated (`4K,64K,1M`), in place of `--size`.
+    #[arg(long, value_delimiter = ',', value_parser = validate::byte_count)]
+    pub sizes: Vec<u64>,
+    /// Print one JSON document (every run, its intervals and latency percentiles) on stdout
+    /// instead of text.
+    #[arg(long)]
+    pub json: bool,
     /// Data-plane backend: `tcp` (a `kvx recv` peer), `mooncake` (a Mooncake TE target or
     /// `kvx recv --backend mooncake`; `--to` is its session id), `auto`, `verbs` (a `kvx recv
     /// --backend verbs`), or `shm` (a `kvx recv --backend shm` on this host; `--to` is
@@ -536,6 +550,13 @@ pub struct RecvArgs {
     /// Bytes of the receive region (writes land at `offset % region`).
     #[arg(long, default_value_t = 64 << 20, value_parser = validate::count_u64)]
     pub region: u64,
+    /// Print the bytes received (and the rate) every this many seconds while any arrive; 0:
+    /// only the total at the end.
+    #[arg(long, default_value = "1", value_parser = validate::interval)]
+    pub interval: f64,
+    /// Print JSON lines (one object per interval and one for the total) instead of text.
+    #[arg(long)]
+    pub json: bool,
     /// Data-plane backend: `tcp`, `mooncake` (a Mooncake-TE-compatible target on the host
     /// of `--listen`, random ports; it prints its session id), `verbs` (queue-pair handshakes
     /// on `--listen`), or `shm` (the region in /dev/shm, published as `local:<name>`: `--listen`

@@ -61,6 +61,37 @@ pub fn duration(secs: f64) -> Duration {
     Duration::from_secs_f64(secs.clamp(0.0, MAX_SECONDS))
 }
 
+const INTERVAL: &str = "seconds, a finite number >= 0 (0: none) and <= 31536000";
+
+/// A reporting interval in seconds: like [`seconds`], or 0 for none.
+pub fn interval(s: &str) -> Result<f64, ValueError> {
+    match s.trim().parse::<f64>() {
+        Ok(0.0) => Ok(0.0),
+        Ok(_) => seconds(s).map_err(|_| ValueError::OutOfRange { expected: INTERVAL }),
+        Err(_) => Err(ValueError::NotANumber { expected: INTERVAL }),
+    }
+}
+
+const BYTES: &str = "a byte count >= 1, optionally with K, M or G (powers of 1024), e.g. 4K";
+
+/// A non-zero byte count, `4096`, `4K`, `1M` or `1G` (powers of 1024).
+pub fn byte_count(s: &str) -> Result<u64, ValueError> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let v: u64 = digits
+        .parse()
+        .map_err(|_| ValueError::NotANumber { expected: BYTES })?;
+    match v.checked_shl(shift).filter(|b| *b != 0 && b >> shift == v) {
+        Some(b) => Ok(b),
+        None => Err(ValueError::OutOfRange { expected: BYTES }),
+    }
+}
+
 const COUNT: &str = "an integer >= 1";
 
 /// A non-zero count.

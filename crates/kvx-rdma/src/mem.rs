@@ -178,6 +178,8 @@ pub struct RegionTable {
     next_key: AtomicU32,
     receivers: Mutex<HashMap<u64, Weak<RxShared>>>,
     next_rx: AtomicU64,
+    /// Payload bytes peers wrote into the table's regions (see [`RegionTable::received`]).
+    received: AtomicU64,
 }
 
 impl Default for RegionTable {
@@ -187,6 +189,17 @@ impl Default for RegionTable {
 }
 
 impl RegionTable {
+    /// Counts `bytes` of payload a peer wrote into the table's regions (the receive paths call
+    /// it once per acknowledged batch or request).
+    pub fn note_received(&self, bytes: u64) {
+        self.received.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Payload bytes peers wrote into the table's regions since it was made.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
     /// An empty table. Keys start at a per-table pseudo-random value so that a stale key from
     /// another table (a restarted peer) is unlikely to name a live region.
     pub fn new() -> Self {
@@ -199,6 +212,7 @@ impl RegionTable {
             next_key: AtomicU32::new(seed | 1),
             receivers: Mutex::new(HashMap::new()),
             next_rx: AtomicU64::new(0),
+            received: AtomicU64::new(0),
         }
     }
 

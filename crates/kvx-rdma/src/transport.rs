@@ -55,6 +55,12 @@ pub trait Transport: Send + Sync + 'static {
     /// The string peers use to reach this side (what a decode publishes as its session id).
     fn endpoint(&self) -> String;
 
+    /// Payload bytes peers have written into this side's regions, where the backend counts
+    /// them (`tcp`, `mooncake`); `None` where it does not.
+    fn bytes_received(&self) -> Option<u64> {
+        None
+    }
+
     /// Opens (or reuses) a session to the peer at `peer`, handshaking to learn its descriptor.
     fn connect<'a>(
         &'a self,

@@ -877,4 +877,6 @@ async fn a_restarted_listener_on_the_same_address_refuses_the_old_session_id() {
         .await
         .unwrap();
     assert!(old_dst.0.iter().all(|&b| b == 0));
+    // The new listener counted what landed in its regions.
+    assert_eq!(new.bytes_received(), Some(512 + 8));
 }

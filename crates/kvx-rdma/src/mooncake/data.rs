@@ -239,6 +239,7 @@ fn receive(
             }
             total += h.size;
             metrics::counter!("kvx_mooncake_bytes_received_total").increment(h.size);
+            ctx.table.note_received(h.size);
             if h.is_v2() {
                 write_all(stream, &[IoPart::Bytes(&Status::Ok.encode())])?;
             }

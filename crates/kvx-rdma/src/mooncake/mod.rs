@@ -400,6 +400,10 @@ impl Transport for MooncakeTransport {
         self.inner.endpoint.clone()
     }
 
+    fn bytes_received(&self) -> Option<u64> {
+        Some(self.inner.table.received())
+    }
+
     fn connect<'a>(
         &'a self,
         peer: &'a str,

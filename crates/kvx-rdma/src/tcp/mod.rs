@@ -374,6 +374,10 @@ impl Transport for TcpTransport {
         self.inner.endpoint.clone()
     }
 
+    fn bytes_received(&self) -> Option<u64> {
+        Some(self.inner.table.received())
+    }
+
     fn connect<'a>(
         &'a self,
         peer: &'a str,

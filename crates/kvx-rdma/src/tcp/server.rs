@@ -492,6 +492,7 @@ fn receive(
             ClientFrame::Fence { tag } => {
                 let ack = win.ack(tag);
                 metrics::counter!("kvx_tcp_bytes_received_total").increment(ack.bytes);
+                ctx.table.note_received(ack.bytes);
                 (&*stream).write_all(&ack.encode())?;
                 conn.idle(slot.limit().tick());
             }
