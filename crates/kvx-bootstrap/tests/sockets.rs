@@ -235,3 +235,32 @@ async fn outbox_keeps_order_per_endpoint() {
     let m = inbox.recv().await.unwrap();
     assert_eq!(m.to_vecs(), vec![b"end".to_vec()]);
 }
+
+/// A monitored cache watching an endpoint it never sends to reports the drop of that
+/// connection (the process behind it died), once, and nothing while the peer lives.
+#[test]
+fn a_watched_endpoint_reports_its_peer_going_away() {
+    let ctx = ctx();
+    let pull = ctx.socket(zmq::PULL).unwrap();
+    pull.set_linger(0).unwrap();
+    pull.bind("tcp://127.0.0.1:0").unwrap();
+    let addr = pull.get_last_endpoint().unwrap().unwrap();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let ep = Endpoint::new("127.0.0.1", port);
+    let mut canary = PushCache::new(&ctx, PushOptions::toward_prefill().monitored(), 8);
+    canary.watch(&ep).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(canary.take_disconnected().is_empty(), "the peer is alive");
+    drop(pull);
+    let t0 = std::time::Instant::now();
+    let gone = loop {
+        let d = canary.take_disconnected();
+        if !d.is_empty() || t0.elapsed() > Duration::from_secs(10) {
+            break d;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(gone, vec![ep.clone()]);
+    assert!(!canary.contains(&ep), "the dropped socket is forgotten");
+    assert!(canary.take_disconnected().is_empty(), "reported once");
+}

@@ -187,6 +187,9 @@ type Abort = (Room, Endpoint, Option<u64>);
 
 struct Peer {
     cfg: DecodeConfig,
+    /// Prefill inboxes whose connection from the outbox dropped (the rank died or restarted
+    /// and may have forgotten this decode's registration); each rank watcher subscribes.
+    rank_drops: tokio::sync::broadcast::Sender<Endpoint>,
     me: Endpoint,
     session: SessionId,
     kv: Arc<Region>,
@@ -486,6 +489,9 @@ struct Topology {
     targets: Mutex<Vec<Target>>,
     /// Wakes [`watch_ranks`] before its next period (a send to a rank failed).
     check: Notify,
+    /// Dropped connections to prefill inboxes, subscribed before the first registration went
+    /// out (so no drop after it is missed); taken by the instance's rank watcher.
+    drops: Mutex<Option<tokio::sync::broadcast::Receiver<Endpoint>>>,
     required_dst_info_num: u32,
     responses: usize,
     dst_tp_rank: u32,
@@ -517,6 +523,7 @@ async fn connect_prefill(
     bootstrap_addr: String,
     tries: u32,
 ) -> Result<Topology> {
+    let drops = peer.rank_drops.subscribe();
     let mut last = None;
     let mut info = None;
     for k in 0..tries.max(1) {
@@ -609,6 +616,7 @@ async fn connect_prefill(
         dead: AtomicBool::new(false),
         targets: Mutex::new(targets),
         check: Notify::new(),
+        drops: Mutex::new(Some(drops)),
         required_dst_info_num,
         responses,
         dst_tp_rank: r,
@@ -687,14 +695,22 @@ async fn start_peer(
     let ctx = zmq::Context::new();
     let mut inbox = Inbox::bind(&ctx, InboxConfig::new(cfg.host.clone(), InboxKind::Decode))
         .context("binding the decode inbox")?;
-    let outbox = Outbox::new(
+    let (outbox, mut drops) = Outbox::reporting_disconnects(
         &ctx,
         PushOptions::toward_prefill().with_send_timeout(cfg.zmq_send_timeout),
         PREFILL_SOCKETS,
     )
     .context("starting the decode outbox")?;
+    let (rank_drops, _) = tokio::sync::broadcast::channel(256);
+    let forward = rank_drops.clone();
+    tokio::spawn(async move {
+        while let Some(ep) = drops.recv().await {
+            let _ = forward.send(ep);
+        }
+    });
     let me = inbox.endpoint().clone();
     let peer = Arc::new(Peer {
+        rank_drops,
         me,
         session,
         pages: Mutex::new(PageAllocator::new(

@@ -108,6 +108,54 @@ fn decode_reregisters_with_a_restarted_prefill_rank() {
     );
 }
 
+/// The same, but the rank comes back on the same inbox port at once (as a service manager
+/// restarts it): no probe sees the inbox down and the route does not change, yet the new
+/// process knows nothing of this decode. The decode's connection to the inbox drops with the
+/// old process (its outbox reports it), so it fails the rooms sent there and registers with
+/// the new one, whose rooms then succeed. Before, every later room waited for its waiting
+/// timeout.
+#[test]
+fn decode_reregisters_with_a_rank_restarted_on_the_same_port() {
+    let b = free_port();
+    let _bootstrap = start_bootstrap(b, &[]);
+    let (m1, m2, inbox) = (free_port(), free_port(), free_port());
+    let port = inbox.to_string();
+    let mut p1 = spawn_prefill(b, m1, &["--inbox-port", &port]);
+    wait_until(GUARD, "first prefill ready", || {
+        http_get(m1, "/ready").is_some_and(|(s, _)| s == 200)
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let decode = Proc::spawn(
+        Command::new(KVX)
+            .args(["decode", "--no-progress", "--bootstrap-addr"])
+            .arg(format!("127.0.0.1:{b}"))
+            .args(MODEL)
+            .arg("--summary-json")
+            .arg(&s)
+            .args(ENDLESS_LOAD)
+            .args(["--heartbeat-interval", "30", "--waiting-timeout", "600"])
+            .env("RUST_LOG", "info"),
+    );
+    wait_until(GUARD, "rooms served by the first prefill", || {
+        successes(m1) >= 4.0
+    });
+    kill9(&mut p1);
+    let p2 = spawn_prefill(b, m2, &["--inbox-port", &port]);
+    let t0 = std::time::Instant::now();
+    while successes(m2) < 4.0 {
+        assert!(
+            t0.elapsed() < GUARD,
+            "hang guard: rooms served by the prefill restarted on the same port\n--- decode\n{}\n--- prefill\n{}",
+            tail(&decode.stderr_now(), 30),
+            tail(&p2.stderr_now(), 30)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let err = decode.stderr_now();
+    assert!(err.contains("its connection dropped"), "{}", tail(&err, 30));
+}
+
 /// A standalone bootstrap server killed with `kill -9` and started again knows no rank; the
 /// prefill rank notices (its periodic check) and registers again, so the instance answers the
 /// sentinel with 200 instead of 503 until the rank restarts.

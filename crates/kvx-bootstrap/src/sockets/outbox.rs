@@ -40,13 +40,46 @@ impl Outbox {
         opts: PushOptions,
         capacity: usize,
     ) -> Result<Self, SocketError> {
+        Self::start(ctx, opts, capacity, None)
+    }
+
+    /// Like [`Outbox::new`] with monitored sockets, also reporting every endpoint whose
+    /// connection dropped (within about 250 ms, or at the next send to it): the process behind
+    /// it died or restarted, so what was sent there before (a registration) may be gone.
+    pub fn reporting_disconnects(
+        ctx: &zmq::Context,
+        opts: PushOptions,
+        capacity: usize,
+    ) -> Result<(Self, tokio::sync::mpsc::UnboundedReceiver<Endpoint>), SocketError> {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let outbox = Self::start(ctx, opts.monitored(), capacity, Some(events))?;
+        Ok((outbox, rx))
+    }
+
+    fn start(
+        ctx: &zmq::Context,
+        opts: PushOptions,
+        capacity: usize,
+        events: Option<tokio::sync::mpsc::UnboundedSender<Endpoint>>,
+    ) -> Result<Self, SocketError> {
         let mut cache = PushCache::new(ctx, opts, capacity);
+        let poll = if events.is_some() {
+            Duration::from_millis(250)
+        } else {
+            Duration::from_secs(1)
+        };
         let (tx, rx) = mpsc::channel::<Cmd>();
         let thread = std::thread::Builder::new()
             .name("kvx-outbox".into())
             .spawn(move || {
                 loop {
-                    match rx.recv_timeout(Duration::from_secs(1)) {
+                    let got = rx.recv_timeout(poll);
+                    if let Some(ev) = &events {
+                        for ep in cache.take_disconnected() {
+                            let _ = ev.send(ep);
+                        }
+                    }
+                    match got {
                         Ok(Cmd::Send { ep, frames, reply }) => {
                             let res = cache.send(&ep, &frames);
                             match reply {
@@ -63,7 +96,9 @@ impl Outbox {
                             cache.disconnect(&ep);
                         }
                         Err(mpsc::RecvTimeoutError::Timeout) => {
-                            cache.reap_disconnected();
+                            if events.is_none() {
+                                cache.reap_disconnected();
+                            }
                         }
                         Err(mpsc::RecvTimeoutError::Disconnected) => break,
                     }

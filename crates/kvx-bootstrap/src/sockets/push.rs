@@ -54,6 +54,14 @@ impl PushOptions {
         }
     }
 
+    /// The same options, with a monitor: a cache of such sockets reports peers whose
+    /// connection dropped ([`PushCache::take_disconnected`]), e.g. to notice that the process
+    /// behind an endpoint restarted even while nothing is sent to it.
+    pub fn monitored(mut self) -> Self {
+        self.monitor = true;
+        self
+    }
+
     /// The same options with another send timeout.
     pub fn with_send_timeout(mut self, t: Duration) -> Self {
         self.send_timeout = t;
@@ -74,7 +82,13 @@ pub struct PushCache {
     capacity: usize,
     entries: HashMap<Endpoint, Entry>,
     clock: u64,
+    /// Monitored sockets found disconnected when next used (and replaced), not yet taken by
+    /// [`PushCache::take_disconnected`]; at most [`MAX_DROPPED`].
+    dropped: Vec<Endpoint>,
 }
+
+/// Most disconnects a monitored cache remembers between two `take_disconnected` calls.
+const MAX_DROPPED: usize = 1024;
 
 impl std::fmt::Debug for PushCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -104,6 +118,7 @@ impl PushCache {
             capacity: capacity.max(1),
             entries: HashMap::new(),
             clock: 0,
+            dropped: Vec::new(),
         }
     }
 
@@ -185,6 +200,13 @@ impl PushCache {
 
     /// Drops every cached socket whose monitor reported a disconnect; returns how many.
     pub fn reap_disconnected(&mut self) -> usize {
+        self.take_disconnected().len()
+    }
+
+    /// Drops every cached socket whose monitor reported a disconnect since it was opened (or
+    /// since the last call) and returns their endpoints, sorted, each once, together with those
+    /// a send found disconnected (and reconnected) since the last call.
+    pub fn take_disconnected(&mut self) -> Vec<Endpoint> {
         let dead: Vec<Endpoint> = self
             .entries
             .iter()
@@ -196,7 +218,18 @@ impl PushCache {
             tracing::info!(endpoint = %ep, "peer disconnected; socket closed");
             metrics::counter!("kvx_bootstrap_push_disconnected_total").increment(1);
         }
-        dead.len()
+        let mut all = std::mem::take(&mut self.dropped);
+        all.extend(dead);
+        all.sort_by(|a, b| (&a.host, a.port).cmp(&(&b.host, b.port)));
+        all.dedup();
+        all
+    }
+
+    /// Connects a socket toward `ep` (cached) without sending anything: with a monitored cache,
+    /// a later drop of that connection shows in [`PushCache::take_disconnected`]. Call that
+    /// first: a socket found disconnected here is replaced and its report lost.
+    pub fn watch(&mut self, ep: &Endpoint) -> Result<(), SocketError> {
+        self.entry(ep).map(|_| ())
     }
 
     fn evict_lru(&mut self) {
@@ -224,6 +257,10 @@ impl PushCache {
             self.entries.remove(ep);
             tracing::info!(endpoint = %ep, "peer disconnected; reconnecting");
             metrics::counter!("kvx_bootstrap_push_disconnected_total").increment(1);
+            if self.dropped.len() >= MAX_DROPPED {
+                self.dropped.remove(0);
+            }
+            self.dropped.push(ep.clone());
         }
         if !self.entries.contains_key(ep) {
             if self.entries.len() >= self.capacity {

@@ -84,79 +84,144 @@ async fn check_rank(client: &BootstrapClient, t: &Target) -> RankCheck {
     RankCheck { alive, moved }
 }
 
-/// Watches the target ranks of one prefill instance (every heartbeat period, or at once when a
-/// send to one failed) until the instance is lost: a rank whose inbox stops answering fails
-/// every room sent to it (`RankLost`, no `ABORT`: nothing there would acknowledge it) and rooms
-/// opened meanwhile fail at once; when the bootstrap server names a new inbox for it (the rank
-/// restarted and registered again), or its old inbox answers again, this decode registers with
+/// How often a rank that is down is looked at again.
+const DOWN_RECHECK: Duration = Duration::from_secs(1);
+
+/// Watches the target ranks of one prefill instance until the instance is lost. The decode's
+/// outbox reports every prefill inbox whose connection dropped — the process behind it died or
+/// restarted, even one restarted on the same port within a second, which a periodic probe would
+/// miss and which forgot this decode's registration — and this watcher subscribed to those
+/// reports before the instance's first registration went out. Every heartbeat period, every
+/// second while a rank is down, at once when a send to a rank failed or its connection dropped,
+/// each rank is looked at: a rank whose inbox stops answering, or whose connection dropped,
+/// fails every room sent to it (`RankLost`, no `ABORT`: nothing there would acknowledge it) and
+/// rooms opened meanwhile fail at once; when the bootstrap server names a new inbox for it (the
+/// rank restarted and registered again), or its inbox answers again, this decode registers with
 /// it again and new rooms go there. sglang's decode only notices a dead instance by its
 /// bootstrap server's `/health`, which a standalone bootstrap server keeps answering.
 pub(super) async fn watch_ranks(peer: Arc<Peer>, client: BootstrapClient, topo: Arc<Topology>) {
     let period = peer.cfg.heartbeat_interval.max(Duration::from_secs(2));
+    let mut drops = lock(&topo.drops).take();
+    let mut last_full = Instant::now();
     loop {
-        tokio::select! {
-            () = tokio::time::sleep(period) => {}
-            () = topo.check.notified() => {}
-        }
+        let any_down = topo.targets().iter().any(|t| !t.up);
+        let every = if any_down { DOWN_RECHECK } else { period };
+        let wait = every.saturating_sub(last_full.elapsed());
+        let dropped = tokio::select! {
+            () = tokio::time::sleep(wait) => None,
+            () = topo.check.notified() => None,
+            r = async {
+                match drops.as_mut() {
+                    Some(rx) => rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => Some(r),
+        };
         if topo.dead.load(Ordering::Relaxed) || peer.stop.load(Ordering::Relaxed) {
             return;
         }
-        for (i, t) in topo.targets().into_iter().enumerate() {
-            let check = check_rank(&client, &t).await;
-            if t.up && !check.alive {
+        match dropped {
+            Some(Ok(ep)) => {
+                let lost: Vec<Target> = topo
+                    .targets()
+                    .into_iter()
+                    .filter(|t| t.up && t.endpoint == ep)
+                    .collect();
+                if lost.is_empty() {
+                    continue;
+                }
+                for t in lost {
+                    rank_lost(
+                        &peer,
+                        &topo,
+                        &t,
+                        "its connection dropped (the rank died or restarted)",
+                    )
+                    .await;
+                    if let Some(cur) = lock(&topo.targets)
+                        .iter_mut()
+                        .find(|c| c.tp_rank == t.tp_rank)
+                    {
+                        cur.up = false;
+                    }
+                }
+            }
+            Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(n))) => {
                 tracing::warn!(
+                    missed = n,
+                    "rank watcher missed connection-drop reports; checking every rank"
+                );
+            }
+            Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => drops = None,
+            None => {}
+        }
+        last_full = Instant::now();
+        check_targets(&peer, &client, &topo).await;
+    }
+}
+
+/// Fails every room sent to rank `t` (`RankLost`), saying `why`.
+async fn rank_lost(peer: &Peer, topo: &Topology, t: &Target, why: &str) {
+    tracing::warn!(
+        bootstrap_addr = %topo.bootstrap_addr,
+        tp_rank = t.tp_rank,
+        endpoint = %t.endpoint,
+        "prefill rank lost, {why}: its rooms failed; re-resolving its route"
+    );
+    metrics::counter!("kvx_decode_prefill_ranks_lost_total").increment(1);
+    let aborts = peer.handle(
+        DecodeEvent::RankLost {
+            endpoint: t.endpoint.clone(),
+        },
+        None,
+    );
+    peer.send_aborts(aborts).await;
+}
+
+/// One look at every target rank (see [`watch_ranks`]).
+async fn check_targets(peer: &Peer, client: &BootstrapClient, topo: &Topology) {
+    for (i, t) in topo.targets().into_iter().enumerate() {
+        let check = check_rank(client, &t).await;
+        if t.up && !check.alive {
+            rank_lost(peer, topo, &t, "its inbox does not answer").await;
+        }
+        let endpoint = match check.moved {
+            Some(ep) => ep,
+            None if !check.alive => {
+                if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                    cur.up = false;
+                }
+                continue;
+            }
+            None if t.up => continue,
+            None => t.endpoint.clone(),
+        };
+        let reg = match wire::encode_registration(&peer.registration(topo.dst_tp_rank)) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "registration not encoded");
+                continue;
+            }
+        };
+        match peer.send(&endpoint, reg).await {
+            Ok(()) => {
+                tracing::info!(
                     bootstrap_addr = %topo.bootstrap_addr,
                     tp_rank = t.tp_rank,
-                    endpoint = %t.endpoint,
-                    "prefill rank unreachable: its rooms failed; re-resolving its route"
+                    %endpoint,
+                    previous = %t.endpoint,
+                    "prefill rank back: registered with it again"
                 );
-                metrics::counter!("kvx_decode_prefill_ranks_lost_total").increment(1);
-                let aborts = peer.handle(
-                    DecodeEvent::RankLost {
-                        endpoint: t.endpoint.clone(),
-                    },
-                    None,
-                );
-                peer.send_aborts(aborts).await;
+                metrics::counter!("kvx_decode_prefill_reregistrations_total").increment(1);
+                if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                    cur.endpoint = endpoint;
+                    cur.up = true;
+                }
             }
-            let endpoint = match check.moved {
-                Some(ep) => ep,
-                None if !check.alive => {
-                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
-                        cur.up = false;
-                    }
-                    continue;
-                }
-                None if t.up => continue,
-                None => t.endpoint.clone(),
-            };
-            let reg = match wire::encode_registration(&peer.registration(topo.dst_tp_rank)) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(error = %e, "registration not encoded");
-                    continue;
-                }
-            };
-            match peer.send(&endpoint, reg).await {
-                Ok(()) => {
-                    tracing::info!(
-                        bootstrap_addr = %topo.bootstrap_addr,
-                        tp_rank = t.tp_rank,
-                        %endpoint,
-                        previous = %t.endpoint,
-                        "prefill rank back: registered with it again"
-                    );
-                    metrics::counter!("kvx_decode_prefill_reregistrations_total").increment(1);
-                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
-                        cur.endpoint = endpoint;
-                        cur.up = true;
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(tp_rank = t.tp_rank, %endpoint, error = %e, "registration with the restarted prefill rank not sent");
-                    if let Some(cur) = lock(&topo.targets).get_mut(i) {
-                        cur.up = false;
-                    }
+            Err(e) => {
+                tracing::warn!(tp_rank = t.tp_rank, %endpoint, error = %e, "registration with the restarted prefill rank not sent");
+                if let Some(cur) = lock(&topo.targets).get_mut(i) {
+                    cur.up = false;
                 }
             }
         }
