@@ -174,8 +174,8 @@ fn free_port() -> u16 {
         .unwrap_or(25201)
 }
 
-/// The plain link test moving `mib` MiB in 1 MiB writes; GB/s.
-fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
+/// The plain link test moving `mib` MiB in 1 MiB writes over `connections` connections; GB/s.
+fn baseline(bin: &Path, logs: &Path, mib: u64, connections: usize) -> Result<f64> {
     let addr = format!("127.0.0.1:{}", free_port());
     let mut recv = Command::new(bin);
     recv.args(["recv", "--listen", &addr]);
@@ -191,6 +191,8 @@ fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
         "--no-progress",
         "--total-mib",
         &mib.to_string(),
+        "--connections",
+        &connections.to_string(),
     ]);
     let mut s = Proc::spawn("link-send", send, logs)?;
     let st = s
@@ -382,6 +384,8 @@ fn engine_part(
                 shape.label
             );
             let args: Vec<String> = [
+                "--connections",
+                &e2e_engine::CONNECTIONS.to_string(),
                 "--model",
                 shape.preset,
                 "--tp-size",
@@ -404,7 +408,7 @@ fn engine_part(
                 }
             };
             let moved_mib = (run.bytes() >> 20).max(64);
-            let link_gbps = baseline(bin, logs, moved_mib).ok();
+            let link_gbps = baseline(bin, logs, moved_mib, e2e_engine::CONNECTIONS).ok();
             rows.push(EngineRow {
                 shape: shape.label,
                 tokens,
@@ -480,7 +484,7 @@ fn processes_part(bin: &Path, logs: &Path, only: &str) -> Part {
                 }
             };
             let moved_mib = (summary.bytes >> 20).max(64);
-            let baseline_gbps = baseline(bin, logs, moved_mib).ok();
+            let baseline_gbps = baseline(bin, logs, moved_mib, 1).ok();
             rows.push(Row {
                 shape: shape.label,
                 tokens,

@@ -63,6 +63,10 @@ pub const ENGINE_SHAPES: &[EngineShape] = &[
     },
 ];
 
+/// Data-plane connections per decode session of every prefill rank, and of the link test beside
+/// it (so that the quotient compares the same connection count).
+pub const CONNECTIONS: usize = 2;
+
 /// `KVX_E2E_SHAPES` key of the empty-room measurement.
 pub const EMPTY_KEY: &str = "empty-room";
 
@@ -241,8 +245,10 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
          verified after it stops; one clock: wall = decode opens the room → decode sees Success, \
          window = first chunk handed to a prefill engine (first write posted) → Success. GB/s = \
          verified bytes over the summed wall times (the engine throughput) or window times. \
-         Beside each, the link test (`kvx send` into `kvx recv`, 1 MiB writes, one connection) \
-         moves the same bytes in the same run; ratio = engine GB/s / link GB/s. Rerun with \
+         Each prefill rank has 2 data connections to the decode; beside each row, the link \
+         test (`kvx send --connections 2` into `kvx recv`, 1 MiB writes) moves the same bytes \
+         in the same run; ratio = engine GB/s / link GB/s (head slices: 2 ranks, so 4 \
+         connections in all against the link test's 2). Rerun with \
          `KVX_E2E_PARTS=engine cargo xtask bench e2e`.",
     );
     let table: Vec<Vec<String>> = rows
