@@ -1,17 +1,28 @@
-//! Whole rooms end to end for `cargo xtask bench`: Llama-3-8B and DeepSeek-V3 (MLA) through
-//! `kvx demo` (bootstrap, one prefill rank and one decode over loopback TCP in one process),
-//! Llama-3-70B at TP 8 as 17 processes (bootstrap, 8 prefill ranks, 8 decode ranks), and
-//! Llama-3-8B from prefill TP 2 to decode TP 1 by per-token head slices and through the staging
-//! ring, at 4k, 8k and 32k tokens, every byte verified, each beside the plain link test (`kvx
-//! send` into `kvx recv`) moving the same bytes in the same run. Sizes that do not fit in half of
-//! the available memory are left out with the reason, as are runs that fail.
-
+//! Whole rooms end to end for `cargo xtask bench e2e`, in two parts, each row beside the plain
+//! link test (`kvx send` into `kvx recv`) moving the same bytes in the same run.
+//!
+//! **Engines** ([`super::e2e_engine`]): Llama-3-8B TP1 at 4k and 32k tokens, DeepSeek-V3 (MLA)
+//! at 4k and Llama-3-8B from prefill TP 2 to decode TP 1 by head slices, through `kvx-cli`'s
+//! `engine_rooms` example (prefill and decode engines in one process, the synthetic model's fill
+//! and the verification off the clock), then empty rooms for the control overhead. The bench's
+//! last line is `e2e/link ratio: R`, the smallest engine / link quotient of those shapes.
+//!
+//! **Processes**: Llama-3-8B and DeepSeek-V3 through `kvx demo` (bootstrap, one prefill rank and
+//! one decode over loopback TCP in one process), Llama-3-70B at TP 8 as 17 processes (bootstrap,
+//! 8 prefill ranks, 8 decode ranks), and Llama-3-8B from prefill TP 2 to decode TP 1 by per-token
+//! head slices and through the staging ring, at 4k, 8k and 32k tokens, every byte verified; their
+//! GB/s is the decode's wall time, which includes the synthetic model and the verification.
+//!
+//! `KVX_E2E_PARTS=engine|processes` runs one part, `KVX_E2E_SHAPES=key,...` only those shapes
+//! (`empty-room` names the empty rooms). Sizes that do not fit in half of the available memory
+//! are left out with the reason, as are runs that fail.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+use super::e2e_engine::{self, ENGINE_SHAPES, EngineRow, EngineRun};
 use super::proc::Proc;
 use super::scenarios::Summary;
 use super::scenarios::common::{self, DecodeOpts, Model, PrefillOpts};
@@ -125,8 +136,9 @@ fn mem_available() -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the release binary (no failpoints: these are the figures a user would see).
-fn build_release(root: &Path) -> Result<PathBuf> {
+/// Builds the release binary and the `engine_rooms` example (no failpoints: these are the
+/// figures a user would see); returns their paths.
+fn build_release(root: &Path) -> Result<(PathBuf, PathBuf)> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     crate::run(Command::new(cargo).current_dir(root).args([
         "build",
@@ -134,15 +146,25 @@ fn build_release(root: &Path) -> Result<PathBuf> {
         "-q",
         "-p",
         "kvx-cli",
+        "--bin",
+        "kvx",
+        "--example",
+        "engine_rooms",
     ]))?;
-    let bin = crate::report::report_dir(root)
+    let release = crate::report::report_dir(root)
         .parent()
-        .map(|t| t.join("release").join("kvx"))
+        .map(|t| t.join("release"))
         .context("no target dir")?;
-    if !bin.exists() {
-        bail!("built, but {} is missing", bin.display());
+    let (bin, example) = (
+        release.join("kvx"),
+        release.join("examples").join("engine_rooms"),
+    );
+    for p in [&bin, &example] {
+        if !p.exists() {
+            bail!("built, but {} is missing", p.display());
+        }
     }
-    Ok(bin)
+    Ok((bin, example))
 }
 
 fn free_port() -> u16 {
@@ -152,8 +174,8 @@ fn free_port() -> u16 {
         .unwrap_or(25201)
 }
 
-/// The plain link test moving `mib` MiB in 1 MiB writes; GB/s.
-fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
+/// The plain link test moving `mib` MiB in 1 MiB writes over `connections` connections; GB/s.
+fn baseline(bin: &Path, logs: &Path, mib: u64, connections: usize) -> Result<f64> {
     let addr = format!("127.0.0.1:{}", free_port());
     let mut recv = Command::new(bin);
     recv.args(["recv", "--listen", &addr]);
@@ -169,6 +191,8 @@ fn baseline(bin: &Path, logs: &Path, mib: u64) -> Result<f64> {
         "--no-progress",
         "--total-mib",
         &mib.to_string(),
+        "--connections",
+        &connections.to_string(),
     ]);
     let mut s = Proc::spawn("link-send", send, logs)?;
     let st = s
@@ -279,23 +303,147 @@ fn tp_run(bin: &Path, logs: &Path, shape: &Shape, tokens: u64, rooms: u64) -> Re
     Ok(total)
 }
 
-/// Runs every shape and size that fits and returns the report section.
+/// Whether `key` is selected by `KVX_E2E_SHAPES` (`only`; empty: every shape).
+fn selected(only: &str, key: &str) -> bool {
+    only.is_empty() || only.split(',').any(|p| p.trim() == key)
+}
+
+/// Runs every part, shape and size that fits and returns the report section; prints the
+/// engine section and, last, the `e2e/link ratio` line.
 pub fn run(root: &Path) -> Result<Part> {
-    let bin = match std::env::var_os("KVX_BIN_RELEASE") {
-        Some(p) => PathBuf::from(p),
+    let (bin, example) = match std::env::var_os("KVX_BIN_RELEASE") {
+        Some(p) => {
+            let bin = PathBuf::from(p);
+            let example = match std::env::var_os("KVX_ENGINE_ROOMS") {
+                Some(e) => PathBuf::from(e),
+                None => bin
+                    .parent()
+                    .map(|d| d.join("examples").join("engine_rooms"))
+                    .context("KVX_BIN_RELEASE has no parent folder")?,
+            };
+            (bin, example)
+        }
         None => build_release(root)?,
     };
     let logs = crate::report::report_dir(root)
         .join("logs")
         .join("bench-e2e");
     let _ = std::fs::remove_dir_all(&logs);
+    // `KVX_E2E_SHAPES=llama3-70b,llama3-8b-tp2-tp1-staging` runs only those shapes.
+    let only = std::env::var("KVX_E2E_SHAPES").unwrap_or_default();
+    let parts = std::env::var("KVX_E2E_PARTS").unwrap_or_default();
+    let mut part = Part::default();
+    let mut last_line = None;
+    if selected(&parts, "engine") {
+        let (rows, empty, left_out) = engine_part(&bin, &example, &logs, &only);
+        part = e2e_engine::part(&rows, empty.as_ref(), &left_out);
+        print!("{}", part.md);
+        last_line = Some(e2e_engine::ratio_line(e2e_engine::ratio(&rows)));
+    }
+    if selected(&parts, "processes") {
+        let p = processes_part(&bin, &logs, &only);
+        part.md.push_str(&p.md);
+        part.plots.extend(p.plots);
+    }
+    if let Some(line) = last_line {
+        println!("{line}");
+    }
+    Ok(part)
+}
+
+/// The engine part: each engine shape and size that fits, beside its link test, then the
+/// empty rooms; returns the rows, the empty-room run and what was left out.
+fn engine_part(
+    bin: &Path,
+    example: &Path,
+    logs: &Path,
+    only: &str,
+) -> (Vec<EngineRow>, Option<EngineRun>, Vec<String>) {
+    let avail = mem_available();
+    let (mut rows, mut left_out) = (Vec::new(), Vec::new());
+    for shape in ENGINE_SHAPES {
+        if !selected(only, shape.key) {
+            continue;
+        }
+        for &tokens in shape.tokens {
+            let room = shape.bytes_per_token * tokens;
+            // The prefill ranks' pools and the decode's.
+            let footprint = 2 * shape.bytes_per_token * (tokens.div_ceil(16) + 64) * 16;
+            if footprint > avail / 2 {
+                left_out.push(format!(
+                    "{} at {tokens} tokens needs about {:.1} GiB, {:.1} GiB available",
+                    shape.label,
+                    footprint as f64 / (1u64 << 30) as f64,
+                    avail as f64 / (1u64 << 30) as f64
+                ));
+                continue;
+            }
+            let rooms = e2e_engine::rooms_for(room);
+            eprintln!(
+                "xtask: e2e engines {} at {tokens} tokens, {rooms} rooms",
+                shape.label
+            );
+            let args: Vec<String> = [
+                "--connections",
+                &e2e_engine::CONNECTIONS.to_string(),
+                "--model",
+                shape.preset,
+                "--tp-size",
+                &shape.tp.to_string(),
+                "--tokens",
+                &tokens.to_string(),
+                "--rooms",
+                &rooms.to_string(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let name = format!("engine-{}-{tokens}", shape.key);
+            let run = match e2e_engine::run_example(example, logs, &name, &args) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("xtask: {name} failed: {e:#}");
+                    left_out.push(format!("{} at {tokens} tokens failed: {e:#}", shape.label));
+                    continue;
+                }
+            };
+            let moved_mib = (run.bytes() >> 20).max(64);
+            let link_gbps = baseline(bin, logs, moved_mib, e2e_engine::CONNECTIONS).ok();
+            rows.push(EngineRow {
+                shape: shape.label,
+                tokens,
+                run,
+                link_gbps,
+            });
+        }
+    }
+    let mut empty = None;
+    if selected(only, e2e_engine::EMPTY_KEY) {
+        eprintln!(
+            "xtask: e2e engines, {} empty rooms",
+            e2e_engine::EMPTY_ROOMS
+        );
+        let args = vec![
+            "--model".to_string(),
+            "tiny".to_string(),
+            "--empty-rooms".to_string(),
+            e2e_engine::EMPTY_ROOMS.to_string(),
+        ];
+        match e2e_engine::run_example(example, logs, "engine-empty-rooms", &args) {
+            Ok(r) => empty = Some(r),
+            Err(e) => left_out.push(format!("the empty rooms failed: {e:#}")),
+        }
+    }
+    (rows, empty, left_out)
+}
+
+/// The processes part: every shape and size that fits through `kvx` processes.
+fn processes_part(bin: &Path, logs: &Path, only: &str) -> Part {
     let avail = mem_available();
     let mut rows = Vec::new();
     let mut left_out = Vec::new();
-    // `KVX_E2E_SHAPES=llama3-70b,llama3-8b-tp2-tp1-staging` runs only those shapes.
-    let only = std::env::var("KVX_E2E_SHAPES").unwrap_or_default();
     for shape in SHAPES {
-        if !only.is_empty() && !only.split(',').any(|p| p.trim() == shape.key) {
+        if !selected(only, shape.key) {
             continue;
         }
         for &tokens in TOKENS {
@@ -320,9 +468,9 @@ pub fn run(root: &Path) -> Result<Part> {
                 shape.label
             );
             let run = if shape.tp == 1 && shape.decode_tp == 1 {
-                demo(&bin, &logs, shape, tokens, rooms)
+                demo(bin, logs, shape, tokens, rooms)
             } else {
-                tp_run(&bin, &logs, shape, tokens, rooms)
+                tp_run(bin, logs, shape, tokens, rooms)
             };
             let summary = match run {
                 Ok(s) => s,
@@ -336,7 +484,7 @@ pub fn run(root: &Path) -> Result<Part> {
                 }
             };
             let moved_mib = (summary.bytes >> 20).max(64);
-            let baseline_gbps = baseline(&bin, &logs, moved_mib).ok();
+            let baseline_gbps = baseline(bin, logs, moved_mib, 1).ok();
             rows.push(Row {
                 shape: shape.label,
                 tokens,
@@ -346,9 +494,8 @@ pub fn run(root: &Path) -> Result<Part> {
             });
         }
     }
-    Ok(part(&rows, &left_out))
+    part(&rows, &left_out)
 }
-
 fn part(rows: &[Row], left_out: &[String]) -> Part {
     let mut p = Part::default();
     p.heading(2, "Whole rooms end to end");

@@ -10,6 +10,7 @@
 //! of separate hosts.
 
 pub mod e2e;
+pub mod e2e_engine;
 pub mod kvx;
 pub mod metrics;
 pub mod netns;
