@@ -574,16 +574,28 @@ async fn connect_prefill(
             // sglang 0.5.23's MLA KV sharding: every prefill rank holds some of the pages, so each
             // decode rank hears from all of them (equal TP only, checked above).
             ((0..pt).map(|t| (t, false)).collect(), dt, pt as usize)
-        } else if pt == dt {
-            (vec![(r, false)], 1, 1)
-        } else if dt > pt {
-            (vec![(r / (dt / pt), false)], dt / pt, 1)
         } else {
-            let k = pt / dt;
-            let ranks = (r * k..(r + 1) * k)
-                .map(|t| (t, cfg.layout.mla && t != r * k))
-                .collect();
-            (ranks, 1, if cfg.layout.mla { 1 } else { k as usize })
+            // spec §4.3, CP and PP 1 on both sides (the route queries below ask for those).
+            let m = kvx_core::mapping::map_ranks(&kvx_core::mapping::MappingInput {
+                prefill_tp: pt,
+                prefill_cp: 1,
+                prefill_pp: 1,
+                decode_tp: dt,
+                decode_cp: 1,
+                decode_pp: 1,
+                decode_rank: r,
+                decode_pp_rank: 0,
+                mla: cfg.layout.mla,
+                all_cp_ranks: false,
+            })
+            .with_context(|| {
+                format!("mapping this decode (TP {dt}, rank {r}) onto the prefill (attention TP {pt})")
+            })?;
+            (
+                m.targets.iter().map(|t| (t.tp_rank, t.dummy)).collect(),
+                m.required_dst_info_num,
+                m.required_prefill_response_num as usize,
+            )
         };
     let mut targets = Vec::new();
     for (t, dummy) in ranks {
