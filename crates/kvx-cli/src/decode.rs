@@ -589,7 +589,9 @@ async fn connect_prefill(
                 all_cp_ranks: false,
             })
             .with_context(|| {
-                format!("mapping this decode (TP {dt}, rank {r}) onto the prefill (attention TP {pt})")
+                format!(
+                    "mapping this decode (TP {dt}, rank {r}) onto the prefill (attention TP {pt})"
+                )
             })?;
             (
                 m.targets.iter().map(|t| (t.tp_rank, t.dummy)).collect(),

@@ -72,9 +72,15 @@ impl Outbox {
         let thread = std::thread::Builder::new()
             .name("kvx-outbox".into())
             .spawn(move || {
+                let mut checked = std::time::Instant::now();
                 loop {
                     let got = rx.recv_timeout(poll);
-                    if let Some(ev) = &events {
+                    // Every socket's monitor is read at most once per poll period, not per
+                    // message (a send to a dropped peer still reports it, from the cache).
+                    if let Some(ev) = &events
+                        && checked.elapsed() >= poll
+                    {
+                        checked = std::time::Instant::now();
                         for ep in cache.take_disconnected() {
                             let _ = ev.send(ep);
                         }
