@@ -236,14 +236,7 @@ fn shm_demo_and_link_test_run() {
     );
     assert!(stdout.contains("sent 8.0 MiB"), "{stdout}");
     // SIGINT: recv deregisters and removes its region and host file.
-    let pid = recv.child().id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-INT", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    recv.interrupt();
     let out = recv.wait_output(GUARD);
     assert_eq!(out.status.code(), Some(0));
     assert!(shm_files(&name).is_empty(), "{:?}", shm_files(&name));

@@ -72,14 +72,7 @@ fn sweep_with_duration_and_json_matches_the_receivers_own_count() {
     wait_until(Duration::from_secs(10), "receiver interval lines", || {
         !json_lines(&recv.stdout_now()).is_empty()
     });
-    let pid = recv.child().id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-INT", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    recv.interrupt();
     let out = recv.wait_output(GUARD);
     assert_eq!(out.status.code(), Some(0));
     let lines = json_lines(&String::from_utf8_lossy(&out.stdout));

@@ -50,6 +50,22 @@ fn spawn_prefill(bootstrap: u16, metrics: u16, extra: &[&str]) -> Proc {
     )
 }
 
+/// `kvx decode` under endless load against the bootstrap server on `bootstrap`, its summary
+/// to `summary`.
+fn spawn_endless_decode(bootstrap: u16, summary: &std::path::Path, extra: &[&str]) -> Proc {
+    Proc::spawn(
+        Command::new(KVX)
+            .args(["decode", "--no-progress", "--bootstrap-addr"])
+            .arg(format!("127.0.0.1:{bootstrap}"))
+            .args(MODEL)
+            .arg("--summary-json")
+            .arg(summary)
+            .args(ENDLESS_LOAD)
+            .args(extra)
+            .env("RUST_LOG", "info"),
+    )
+}
+
 /// Rooms the prefill whose `/metrics` is on `port` finished with Success.
 fn successes(port: u16) -> f64 {
     http_get(port, "/metrics").map_or(0.0, |(_, m)| {
@@ -80,17 +96,10 @@ fn decode_reregisters_with_a_restarted_prefill_rank() {
         http_get(m1, "/ready").is_some_and(|(s, _)| s == 200)
     });
     let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("s.json");
-    let decode = Proc::spawn(
-        Command::new(KVX)
-            .args(["decode", "--no-progress", "--bootstrap-addr"])
-            .arg(format!("127.0.0.1:{b}"))
-            .args(MODEL)
-            .arg("--summary-json")
-            .arg(&s)
-            .args(ENDLESS_LOAD)
-            .args(["--heartbeat-interval", "2"])
-            .env("RUST_LOG", "info"),
+    let decode = spawn_endless_decode(
+        b,
+        &dir.path().join("s.json"),
+        &["--heartbeat-interval", "2"],
     );
     wait_until(GUARD, "rooms served by the first prefill", || {
         successes(m1) >= 4.0
@@ -125,17 +134,10 @@ fn decode_reregisters_with_a_rank_restarted_on_the_same_port() {
         http_get(m1, "/ready").is_some_and(|(s, _)| s == 200)
     });
     let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("s.json");
-    let decode = Proc::spawn(
-        Command::new(KVX)
-            .args(["decode", "--no-progress", "--bootstrap-addr"])
-            .arg(format!("127.0.0.1:{b}"))
-            .args(MODEL)
-            .arg("--summary-json")
-            .arg(&s)
-            .args(ENDLESS_LOAD)
-            .args(["--heartbeat-interval", "30", "--waiting-timeout", "600"])
-            .env("RUST_LOG", "info"),
+    let decode = spawn_endless_decode(
+        b,
+        &dir.path().join("s.json"),
+        &["--heartbeat-interval", "30", "--waiting-timeout", "600"],
     );
     wait_until(GUARD, "rooms served by the first prefill", || {
         successes(m1) >= 4.0

@@ -125,6 +125,16 @@ impl Proc {
         self.child.as_mut().unwrap()
     }
 
+    /// Sends SIGINT (what Ctrl-C sends) to the process.
+    pub fn interrupt(&mut self) {
+        let pid = self.child().id().to_string();
+        let ok = Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -INT {pid} failed");
+    }
+
     /// Waits for exit under a hang guard and returns its output.
     pub fn wait_output(mut self, guard: Duration) -> Output {
         let t0 = Instant::now();
