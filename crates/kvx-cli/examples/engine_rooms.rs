@@ -192,6 +192,20 @@ fn hand_over(
     Ok((first.unwrap_or(last), last))
 }
 
+/// The process's peak resident set (`VmHWM` of `/proc/self/status`), where Linux reports it.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
     if a.tp_size == 0 || a.page_size == 0 {
@@ -218,9 +232,12 @@ fn main() -> Result<()> {
     let client = BootstrapClient::new("127.0.0.1", port)?;
     let (report_tx, reports) = std::sync::mpsc::channel();
     let mut ranks = Vec::new();
+    // Caller-owned memory registered with the engines (KV pools and aux buffers, both sides).
+    let mut registered = 0u64;
     for r in 0..a.tp_size {
         let layout = a.model.layout(a.tp_size, r, a.page_size, pool_pages);
         let mem = prefill_memory(&layout);
+        registered += mem.kv.len() + mem.aux.len();
         let cfg = PrefillConfig {
             tp_rank: r,
             tp_size: a.tp_size,
@@ -268,6 +285,7 @@ fn main() -> Result<()> {
         Arc::new(Region::new(usize::try_from(dlayout.pool_bytes())?)),
         Arc::new(Region::new(usize::try_from(dlayout.aux_bytes())?)),
     );
+    registered += dmem.kv.len() + dmem.aux.len();
     let (dkv, daux) = (dmem.kv.clone(), dmem.aux.clone());
     // Touched once, as a serving stack's pool (allocated, zeroed or pinned at start-up) would
     // be: the first room would otherwise pay the kernel's first-touch page faults.
@@ -419,8 +437,21 @@ fn main() -> Result<()> {
         pct(|r| r.control_s, 0.5) * 1e6,
         pct(|r| r.control_s, 0.99) * 1e6
     );
+    // Issue 15 item 7: no payload-sized copies means the process's peak resident memory stays
+    // near the memory the caller registered (both engines live in this one process).
+    let peak = peak_rss_bytes();
+    if let Some(peak) = peak {
+        println!(
+            "memory: peak RSS {:.0} MiB = registered {:.0} MiB + {:.0} MiB",
+            peak as f64 / (1 << 20) as f64,
+            registered as f64 / (1 << 20) as f64,
+            (peak as f64 - registered as f64) / (1 << 20) as f64
+        );
+    }
     if let Some(path) = &a.json {
         let out = serde_json::json!({
+            "registered_bytes": registered,
+            "peak_rss_bytes": peak,
             "model": format!("{:?}", a.model),
             "prefill_tp": a.tp_size,
             "decode_tp": 1,
