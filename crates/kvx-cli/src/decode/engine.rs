@@ -93,6 +93,11 @@ pub struct DecodeEngineConfig {
     pub bootstrap_tries: u32,
     /// Send [`DecodeEngineEvent`]s to the receiver [`DecodeEngine::take_events`] returns.
     pub events: bool,
+    /// A staging ring for rooms from a prefill of another attention-TP size (sglang's
+    /// staging path: the prefill writes whole chunks into the ring, the engine scatters them
+    /// into the room's pages before Success). The ring is the engine's own memory, allocated and
+    /// registered at start (`ring_bytes`); `None`: such rooms take the per-head-slice path.
+    pub staging: Option<super::DecodeStagingConfig>,
 }
 
 impl DecodeEngineConfig {
@@ -113,10 +118,11 @@ impl DecodeEngineConfig {
             backend: Backend::Tcp,
             bootstrap_tries: 15,
             events: true,
+            staging: None,
         }
     }
 
-    /// The `kvx decode` peer's settings these amount to (no load generation, no staging).
+    /// The `kvx decode` peer's settings these amount to (no load generation).
     fn peer_config(&self) -> DecodeConfig {
         DecodeConfig {
             host: self.host.clone(),
@@ -129,6 +135,7 @@ impl DecodeEngineConfig {
             zmq_send_timeout: self.zmq_send_timeout,
             abort_release_timeout: self.abort_release_timeout,
             backend: self.backend,
+            staging: self.staging,
             ..DecodeConfig::new("", 0, self.layout.clone())
         }
     }
