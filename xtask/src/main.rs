@@ -187,16 +187,20 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
         .args(["test", "--workspace", "--all-features", "--doc"]))?;
     // Every crate's example runs as its README says; each checks its own result and exits
     // non-zero on a mismatch.
-    for (package, example) in EXAMPLES {
-        run(cargo().env("PATH", &path).args([
-            "run",
-            "-q",
-            "--all-features",
-            "-p",
-            package,
-            "--example",
-            example,
-        ]))?;
+    for (package, example, args) in EXAMPLES {
+        run(cargo()
+            .env("PATH", &path)
+            .args([
+                "run",
+                "-q",
+                "--all-features",
+                "-p",
+                package,
+                "--example",
+                example,
+                "--",
+            ])
+            .args(args))?;
     }
     // The deterministic simulation: 1,000,000 steps clean, every planted mutant caught.
     sim::ci()?;
@@ -219,14 +223,34 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
     Ok(())
 }
 
-/// The examples `cargo xtask test` runs: (package, example).
-const EXAMPLES: [(&str, &str); 6] = [
-    ("kvx-core", "managers"),
-    ("kvx-bootstrap", "registration"),
-    ("kvx-staging", "ring"),
-    ("kvx-rdma", "tcp_batch"),
-    ("kvx-cli", "embed"),
-    ("kvx-cli", "embed_decode"),
+/// The examples `cargo xtask test` runs: (package, example, arguments). `engine_rooms` runs
+/// its staged TP 2 → TP 1 shape small: two prefill engines and an embedded decode engine with a
+/// staging ring (`DecodeEngineConfig::staging`), every byte verified.
+const EXAMPLES: [(&str, &str, &[&str]); 7] = [
+    ("kvx-core", "managers", &[]),
+    ("kvx-bootstrap", "registration", &[]),
+    ("kvx-staging", "ring", &[]),
+    ("kvx-rdma", "tcp_batch", &[]),
+    ("kvx-cli", "embed", &[]),
+    ("kvx-cli", "embed_decode", &[]),
+    (
+        "kvx-cli",
+        "engine_rooms",
+        &[
+            "--model",
+            "llama3-8b",
+            "--tp-size",
+            "2",
+            "--tokens",
+            "512",
+            "--rooms",
+            "2",
+            "--staging-ring-mib",
+            "64",
+            "--chunked-prefill-size",
+            "128",
+        ],
+    ),
 ];
 
 fn fuzz(root: &Path, seconds: u64) -> Result<()> {

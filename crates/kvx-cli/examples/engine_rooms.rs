@@ -31,7 +31,7 @@ use clap::Parser;
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 use kvx_cli::config::ModelArgs;
 use kvx_cli::decode::engine::{DecodeEngine, DecodeEngineConfig, DecodeEngineEvent, DecodeMemory};
-use kvx_cli::decode::{percentile, verify_room};
+use kvx_cli::decode::{DecodeStagingConfig, percentile, verify_room};
 use kvx_cli::engine::{EngineEvent, PrefillConfig, PrefillEngine};
 use kvx_cli::forward::SyntheticModel;
 use kvx_cli::model::ModelPreset;
@@ -77,6 +77,13 @@ struct Args {
     /// Write every room's figures here as JSON.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// With `--tp-size` above 1: send through a decode staging ring of this many MiB (sglang's
+    /// staging path, `DecodeEngineConfig::staging`) instead of per-token head slices.
+    #[arg(long)]
+    staging_ring_mib: Option<u64>,
+    /// `chunked_prefill_size` in tokens: the staging chunk grid of both sides.
+    #[arg(long, default_value_t = kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE)]
+    chunked_prefill_size: i64,
 }
 
 /// One prefill rank's source pages for a room, written before the room's clock starts.
@@ -247,6 +254,8 @@ fn main() -> Result<()> {
             connections: a.connections.max(1),
             backend: Backend::Tcp,
             events: true,
+            staging: a.staging_ring_mib.is_some(),
+            chunked_prefill_size: a.chunked_prefill_size,
             ..PrefillConfig::default()
         };
         let engine = Arc::new(PrefillEngine::start(cfg, mem.clone(), rt.handle().clone())?);
@@ -293,7 +302,13 @@ fn main() -> Result<()> {
         r.fill(r.base(), r.len(), 0)?;
     }
     let decode = DecodeEngine::start(
-        DecodeEngineConfig::new(dlayout.clone()),
+        DecodeEngineConfig {
+            staging: a.staging_ring_mib.map(|mib| DecodeStagingConfig {
+                ring_bytes: mib << 20,
+                chunked_prefill_size: a.chunked_prefill_size,
+            }),
+            ..DecodeEngineConfig::new(dlayout.clone())
+        },
         dmem,
         rt.handle().clone(),
     )?;
