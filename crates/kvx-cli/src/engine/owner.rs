@@ -372,7 +372,7 @@ impl Owner {
         let mut out = Vec::new();
         let r = self.mgr.handle(Instant::now(), event, &mut out);
         let mut touched: Vec<Room> = room.into_iter().collect();
-        touched.extend(out.iter().map(action_room));
+        touched.extend(out.iter().map(PrefillAction::room));
         self.apply(out);
         // Rooms the manager dropped are released: their pages may be reused.
         let released: Vec<(Room, KVPoll)> = self
@@ -730,19 +730,6 @@ impl Owner {
         metrics::gauge!("kvx_unopened_room_entries").set(live.unopened_rooms as f64);
         metrics::gauge!("kvx_session_entries").set(live.sessions as f64);
         metrics::gauge!("kvx_outstanding_batches").set(live.batches as f64);
-    }
-}
-
-/// The room an action is about.
-fn action_room(a: &PrefillAction) -> Room {
-    match a {
-        PrefillAction::FillRoomRow { room, .. }
-        | PrefillAction::PostBatch { room, .. }
-        | PrefillAction::Stage { room, .. }
-        | PrefillAction::SendAuxData { room, .. }
-        | PrefillAction::SendStatus { room, .. }
-        | PrefillAction::AbortAck { room, .. }
-        | PrefillAction::Concluded { room, .. } => *room,
     }
 }
 

@@ -417,6 +417,21 @@ pub enum RoomError {
     Fatal(String),
 }
 
+impl PrefillAction {
+    /// The room the action is about.
+    pub fn room(&self) -> Room {
+        match self {
+            PrefillAction::FillRoomRow { room, .. }
+            | PrefillAction::PostBatch { room, .. }
+            | PrefillAction::Stage { room, .. }
+            | PrefillAction::SendAuxData { room, .. }
+            | PrefillAction::SendStatus { room, .. }
+            | PrefillAction::AbortAck { room, .. }
+            | PrefillAction::Concluded { room, .. } => *room,
+        }
+    }
+}
+
 impl RoomError {
     /// The `Transfer` and `SessionDead` kinds blame a session (used to mark it failed).
     pub fn is_transfer(&self) -> bool {

@@ -71,16 +71,7 @@ impl World {
     fn observe_decode(&mut self, d: u32, room: Room) {
         let n = &mut self.decodes[d as usize];
         let now = n.mgr.poll(room);
-        let prev = match now {
-            Some(s) => n.last_poll.insert(room, s),
-            None => n.last_poll.remove(&room),
-        };
-        if let (Some(prev), Some(now)) = (prev, now) {
-            let ok = if prev == KVPoll::Failed {
-                now == KVPoll::Failed
-            } else {
-                now == KVPoll::Failed || now >= prev
-            };
+        if let Some((prev, now, ok)) = super::status_step(&mut n.last_poll, room, now) {
             self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
                 format!("decode rank {d}: {prev} then {now}")
             });

@@ -260,6 +260,27 @@ pub fn prefill_endpoint(p: u32) -> Endpoint {
     Endpoint::new(format!("10.0.0.{}", p + 1), 16000 + p as u16)
 }
 
+/// Records `now` as `room`'s status in `last` (dropping it once the manager no longer holds the
+/// room) and returns the previous and new status with whether the step keeps the status
+/// monotonic (it never goes down, and Failed sticks).
+pub(crate) fn status_step(
+    last: &mut BTreeMap<Room, KVPoll>,
+    room: Room,
+    now: Option<KVPoll>,
+) -> Option<(KVPoll, KVPoll, bool)> {
+    let prev = match now {
+        Some(s) => last.insert(room, s),
+        None => last.remove(&room),
+    }?;
+    let now = now?;
+    let ok = if prev == KVPoll::Failed {
+        now == KVPoll::Failed
+    } else {
+        now == KVPoll::Failed || now >= prev
+    };
+    Some((prev, now, ok))
+}
+
 /// Decode rank `d`'s inbox.
 pub fn decode_endpoint(d: u32) -> Endpoint {
     Endpoint::new(format!("10.1.0.{}", d + 1), 17000 + d as u16)

@@ -54,7 +54,7 @@ impl World {
         }
         let mut last = room;
         for a in &out {
-            let r = action_room(a);
+            let r = a.room();
             if last != Some(r) {
                 self.observe_prefill(p, r);
                 last = Some(r);
@@ -72,16 +72,7 @@ impl World {
     fn observe_prefill(&mut self, p: u32, room: Room) {
         let n = &mut self.prefills[p as usize];
         let now = n.mgr.poll(room);
-        let prev = match now {
-            Some(s) => n.last_poll.insert(room, s),
-            None => n.last_poll.remove(&room),
-        };
-        if let (Some(prev), Some(now)) = (prev, now) {
-            let ok = if prev == KVPoll::Failed {
-                now == KVPoll::Failed
-            } else {
-                now == KVPoll::Failed || now >= prev
-            };
+        if let Some((prev, now, ok)) = super::status_step(&mut n.last_poll, room, now) {
             self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
                 format!("prefill rank {p}: {prev} then {now}")
             });
@@ -90,10 +81,10 @@ impl World {
 
     fn prefill_action(&mut self, p: u32, a: PrefillAction) {
         if let Some(t) = &self.trace
-            && t.room == Some(action_room(&a))
+            && t.room == Some(a.room())
         {
             let line = format!("  prefill {p} -> {}", brief_action(&a));
-            self.trace_line(Some(action_room(&a)), || line);
+            self.trace_line(Some(a.room()), || line);
         }
         let now = self.clock.now();
         match a {
@@ -591,19 +582,6 @@ fn event_room(ev: &PrefillEvent) -> Option<Room> {
         | PrefillEvent::LocalAbort { room }
         | PrefillEvent::SenderFailed { room, .. } => Some(*room),
         _ => None,
-    }
-}
-
-/// The room of a prefill action.
-fn action_room(a: &PrefillAction) -> Room {
-    match a {
-        PrefillAction::FillRoomRow { room, .. }
-        | PrefillAction::PostBatch { room, .. }
-        | PrefillAction::Stage { room, .. }
-        | PrefillAction::SendAuxData { room, .. }
-        | PrefillAction::SendStatus { room, .. }
-        | PrefillAction::AbortAck { room, .. }
-        | PrefillAction::Concluded { room, .. } => *room,
     }
 }
 
