@@ -226,13 +226,12 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
 /// The examples `cargo xtask test` runs: (package, example, arguments). `engine_rooms` runs
 /// its staged TP 2 → TP 1 shape small: two prefill engines and an embedded decode engine with a
 /// staging ring (`DecodeEngineConfig::staging`), every byte verified.
-const EXAMPLES: [(&str, &str, &[&str]); 7] = [
+const EXAMPLES: [(&str, &str, &[&str]); 6] = [
     ("kvx-core", "managers", &[]),
     ("kvx-bootstrap", "registration", &[]),
     ("kvx-staging", "ring", &[]),
     ("kvx-rdma", "tcp_batch", &[]),
-    ("kvx-cli", "embed", &[]),
-    ("kvx-cli", "embed_decode", &[]),
+    ("kvx-engine", "embed", &[]),
     (
         "kvx-cli",
         "engine_rooms",

@@ -30,16 +30,20 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 use kvx_cli::config::ModelArgs;
-use kvx_cli::decode::engine::{DecodeEngine, DecodeEngineConfig, DecodeEngineEvent, DecodeMemory};
-use kvx_cli::decode::{DecodeStagingConfig, percentile, verify_room};
-use kvx_cli::engine::{EngineEvent, PrefillConfig, PrefillEngine};
-use kvx_cli::forward::SyntheticModel;
-use kvx_cli::model::ModelPreset;
-use kvx_cli::pages::PageAllocator;
-use kvx_cli::plane::Backend;
-use kvx_cli::prefill_cmd::{prefill_memory, rank_registration};
-use kvx_cli::region::Region;
+use kvx_cli::decode::{DecodeStagingConfig, percentile};
+use kvx_cli::prefill_cmd::rank_registration;
 use kvx_core::{Chunk, KVPoll, PageSlice, Room};
+use kvx_engine::decode::engine::{
+    DecodeEngine, DecodeEngineConfig, DecodeEngineEvent, DecodeMemory,
+};
+use kvx_engine::engine::{EngineEvent, PrefillConfig, PrefillEngine};
+use kvx_engine::model::ModelPreset;
+use kvx_engine::pages::PageAllocator;
+use kvx_engine::plane::Backend;
+use kvx_engine::region::Region;
+use kvx_engine::synthetic::SyntheticModel;
+use kvx_engine::synthetic::prefill_memory;
+use kvx_engine::synthetic::verify_room;
 
 /// Flags.
 #[derive(Parser, Debug)]

@@ -11,9 +11,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::model::ModelPreset;
 use crate::telemetry::LogFormat;
 use crate::validate::{self, ConfigError, HostPort};
+use kvx_engine::model::ModelPreset;
 
 /// kvx: KV-cache transfer engine for prefill/decode-disaggregated serving (sglang-compatible).
 #[derive(Debug, Parser)]
@@ -157,8 +157,8 @@ impl Default for RdmaArgs {
 
 impl RdmaArgs {
     /// The data plane's form of these flags.
-    pub fn options(&self) -> crate::plane::RdmaOptions {
-        crate::plane::RdmaOptions {
+    pub fn options(&self) -> kvx_engine::plane::RdmaOptions {
+        kvx_engine::plane::RdmaOptions {
             device: self.rdma_device.clone().filter(|d| !d.is_empty()),
             port: self.rdma_port,
             gid_index: self.rdma_gid_index,
@@ -240,7 +240,7 @@ pub struct PrefillArgs {
     /// `tcp` or `mooncake` to force one, `verbs` (RDMA, a kvx decode with `--backend verbs`),
     /// `shm` (a kvx decode with `--backend shm` on this host, through /dev/shm).
     #[arg(long, default_value = "auto", value_parser = sending_backend)]
-    pub backend: crate::plane::Backend,
+    pub backend: kvx_engine::plane::Backend,
     /// RDMA device (with `--backend verbs`).
     #[command(flatten)]
     pub rdma: RdmaArgs,
@@ -294,7 +294,7 @@ pub struct DecodeArgs {
     /// WRITE from a kvx prefill with `--backend verbs`), `shm` (pages in /dev/shm files a kvx
     /// prefill on this host with `--backend shm` copies into).
     #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
-    pub backend: crate::plane::Backend,
+    pub backend: kvx_engine::plane::Backend,
     /// RDMA device (with `--backend verbs`).
     #[command(flatten)]
     pub rdma: RdmaArgs,
@@ -461,7 +461,7 @@ pub struct DemoArgs {
     /// session; the decodes serve kvx's tcp), `local` (memcpy between the two sides of this
     /// process), `shm` (as `local`, the decodes' pages in /dev/shm files), `verbs` (RDMA).
     #[arg(long, value_enum, default_value = "tcp")]
-    pub backend: crate::plane::Backend,
+    pub backend: kvx_engine::plane::Backend,
     /// RDMA device (with `--backend verbs`).
     #[command(flatten)]
     pub rdma: RdmaArgs,
@@ -532,7 +532,7 @@ pub struct SendArgs {
     /// --backend verbs`), or `shm` (a `kvx recv --backend shm` on this host; `--to` is
     /// `local:<name>`, or `host:port` for the name `kvx-link-<port>`).
     #[arg(long, default_value = "tcp", value_parser = sending_backend)]
-    pub backend: crate::plane::Backend,
+    pub backend: kvx_engine::plane::Backend,
     /// RDMA device (with `--backend verbs`).
     #[command(flatten)]
     pub rdma: RdmaArgs,
@@ -562,15 +562,15 @@ pub struct RecvArgs {
     /// on `--listen`), or `shm` (the region in /dev/shm, published as `local:<name>`: `--listen`
     /// is the name, or `host:port` for `kvx-link-<port>`).
     #[arg(long, default_value = "tcp", value_parser = receiving_backend)]
-    pub backend: crate::plane::Backend,
+    pub backend: kvx_engine::plane::Backend,
     /// RDMA device (with `--backend verbs`).
     #[command(flatten)]
     pub rdma: RdmaArgs,
 }
 
 /// Parses a sending side's `--backend` (`auto`, `tcp`, `mooncake`, `verbs`, `shm`).
-fn sending_backend(s: &str) -> Result<crate::plane::Backend, String> {
-    use crate::plane::Backend;
+fn sending_backend(s: &str) -> Result<kvx_engine::plane::Backend, String> {
+    use kvx_engine::plane::Backend;
     match s {
         "auto" => Ok(Backend::Auto),
         "tcp" => Ok(Backend::Tcp),
@@ -585,8 +585,8 @@ fn sending_backend(s: &str) -> Result<crate::plane::Backend, String> {
 }
 
 /// Parses a receiving side's `--backend` (`tcp`, `mooncake`, `verbs`, `shm`).
-fn receiving_backend(s: &str) -> Result<crate::plane::Backend, String> {
-    use crate::plane::Backend;
+fn receiving_backend(s: &str) -> Result<kvx_engine::plane::Backend, String> {
+    use kvx_engine::plane::Backend;
     match s {
         "tcp" => Ok(Backend::Tcp),
         "mooncake" => Ok(Backend::Mooncake),
@@ -601,8 +601,8 @@ fn receiving_backend(s: &str) -> Result<crate::plane::Backend, String> {
 
 impl Command {
     /// The data-plane backend this command selected and its RDMA device (`None` for `kvx
-    /// bootstrap`), for [`crate::plane::check_backend`] before anything is bound.
-    pub fn backend(&self) -> Option<(crate::plane::Backend, crate::plane::RdmaOptions)> {
+    /// bootstrap`), for [`kvx_engine::plane::check_backend`] before anything is bound.
+    pub fn backend(&self) -> Option<(kvx_engine::plane::Backend, kvx_engine::plane::RdmaOptions)> {
         match self {
             Command::Prefill(a) => Some((a.backend, a.rdma.options())),
             Command::Decode(a) => Some((a.backend, a.rdma.options())),

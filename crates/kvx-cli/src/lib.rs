@@ -1,54 +1,43 @@
 //! # kvx-cli
 //!
-//! The runnable side of kvx: the tokio/thread drivers that wire `kvx-core`, `kvx-bootstrap` and
-//! the data plane into a running prefill sender ([`engine`], embeddable as a library) and a
-//! decode peer ([`decode`], embeddable as [`decode::engine::DecodeEngine`]), heterogeneous-TP
-//! staging through the decode's ring on both sides ([`prefill_staging`], [`decode_staging`]),
-//! worker supervision with sglang's dead-thread message made true ([`worker`], [`fault`]),
-//! metrics export ([`telemetry`]) and the `kvx` binary's commands.
+//! The `kvx` binary's commands, as a library: `kvx prefill` ([`prefill_cmd`]: a prefill rank on a
+//! synthetic model, registered with a bootstrap server, drained on SIGINT/SIGTERM, exiting with
+//! sglang's dead-thread message when a transfer worker dies), `kvx decode` ([`decode`]: load on
+//! a decode engine, every byte verified, a [`decode::Summary`]), `kvx bootstrap`
+//! ([`bootstrap_cmd`]), the link tests `kvx send` / `kvx recv` ([`link`]) and `kvx demo`
+//! ([`demo`]); the command line and config file ([`config`]), signals, drains and readiness
+//! ([`lifecycle`]), logging and the Prometheus exporter ([`telemetry`]).
+//!
+//! The engines themselves — the prefill and decode ranks, their threads and tasks, the data plane
+//! and the wire — are crate `kvx-engine`'s: this crate holds no engine logic of its own, only
+//! what a command line adds around it (arguments, memory of its own, load generation, exit codes).
 //!
 //! ```
-//! use kvx_cli::model::{self, ModelPreset};
+//! use kvx_cli::config::ModelArgs;
+//! use kvx_cli::prefill_cmd::rank_registration;
+//! use kvx_engine::model::ModelPreset;
 //!
-//! // Llama-3-8B at TP1 carries 128 KiB of KV per token.
-//! let layout = ModelPreset::Llama3_8b.layout(1, 0, 16, 64);
-//! assert_eq!(layout.bytes_per_page(), 16 * 128 * 1024);
-//!
-//! // The decode checks every byte against the pattern the prefill wrote.
-//! let mut page = vec![0u8; 4096];
-//! model::fill_page(&mut page, 42, 0, 3);
-//! assert!(model::check_page(&page, 42, 0, 3));
-//! assert!(!model::check_page(&page, 43, 0, 3));
+//! let model = ModelArgs {
+//!     model: ModelPreset::Tiny,
+//!     tp_size: 2,
+//!     tp_rank: 1,
+//!     page_size: 16,
+//!     pool_pages: 256,
+//!     kv_cache_dtype: "auto".into(),
+//! };
+//! // What `kvx prefill --tp-size 2 --tp-rank 1` PUTs on the bootstrap server's /route.
+//! let reg = rank_registration(&model, "10.0.0.7", 17000);
+//! assert_eq!((reg.attn_tp_size, reg.attn_tp_rank, reg.rank_port), (2, 1, 17000));
 //! ```
-//!
-//! ## Stability
-//!
-//! Error enums (`EngineError`, `StagingError`, `LifecycleError`, `BackendError`, `WorkerFault`,
-//! the config errors) are `#[non_exhaustive]`. The engines' events
-//! ([`engine::EngineEvent`], [`decode::engine::DecodeEngineEvent`]) are not: an embedder must act
-//! on each (pages come back through them), so a new one is a breaking change by design. Config
-//! structs keep public fields; build them from their constructor or `Default` and override fields
-//! with `..` — a field added later comes with a default that keeps the old behaviour.
 
 #![warn(missing_docs)]
 
 pub mod bootstrap_cmd;
 pub mod config;
 pub mod decode;
-pub mod decode_staging;
 pub mod demo;
-pub mod engine;
-pub mod fault;
-pub mod forward;
 pub mod lifecycle;
 pub mod link;
-pub mod model;
-pub mod pages;
-pub mod plane;
 pub mod prefill_cmd;
-pub mod prefill_staging;
-pub mod region;
 pub mod telemetry;
 pub mod validate;
-pub mod wire;
-pub mod worker;

@@ -21,8 +21,8 @@ use kvx_rdma::{BatchReport, BoxFuture, Session, TransportError};
 use serde_json::json;
 
 use crate::config::{RecvArgs, SendArgs};
-use crate::plane::{Backend, DataPlane};
-use crate::region::Region;
+use kvx_engine::plane::{Backend, DataPlane};
+use kvx_engine::region::Region;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
@@ -34,11 +34,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 /// `kvx recv`: serves until interrupted.
 pub fn recv(args: RecvArgs) -> Result<i32> {
     let shm_name = match args.backend {
-        Backend::Shm => crate::plane::shm_link_name("--listen", &args.listen)?,
+        Backend::Shm => kvx_engine::plane::shm_link_name("--listen", &args.listen)?,
         _ => String::new(),
     };
     let region = Arc::new(
-        crate::plane::alloc_region(args.backend, &shm_name, "recv", args.region as usize)
+        kvx_engine::plane::alloc_region(args.backend, &shm_name, "recv", args.region as usize)
             .context("allocating the receive region")?,
     );
     runtime()?.block_on(async {
@@ -191,7 +191,7 @@ pub fn send(args: SendArgs) -> Result<i32> {
             Backend::Shm => format!(
                 "{}{}",
                 kvx_rdma::local::SCHEME,
-                crate::plane::shm_link_name("--to", &args.to)?
+                kvx_engine::plane::shm_link_name("--to", &args.to)?
             ),
             _ => args.to.clone(),
         };

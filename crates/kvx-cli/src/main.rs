@@ -65,7 +65,7 @@ fn run(cmd: Command) -> Result<i32> {
     }
     // A backend this host or build cannot run fails here, naming the flag.
     if let Some((backend, rdma)) = cmd.backend() {
-        kvx_cli::plane::check_backend(backend, &rdma)?;
+        kvx_engine::plane::check_backend(backend, &rdma)?;
     }
     match cmd {
         Command::Prefill(a) => prefill_cmd::run(a),

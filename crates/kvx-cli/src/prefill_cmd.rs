@@ -17,61 +17,25 @@ use kvx_bootstrap::http::{
 };
 
 use crate::config::{ModelArgs, PrefillArgs};
-use crate::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
-use crate::fault::EXIT_WORKER_FAILED;
-use crate::forward::SyntheticModel;
 use crate::lifecycle::{Deadline, Readiness, Signals};
-use crate::model::KvLayout;
-use crate::pages::PageAllocator;
-use crate::region::Region;
 use crate::telemetry;
 use crate::validate;
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::fault::EXIT_WORKER_FAILED;
+use kvx_engine::pages::PageAllocator;
+use kvx_engine::synthetic::{SyntheticModel, prefill_memory};
 
-/// A prefill rank's registered memory for a model.
-pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
-    let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
-    let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
-    let kv_ptrs = layout.kv_ptrs(kv.base());
-    let aux_ptrs = layout.aux_ptrs(aux.base());
-    PrefillMemory::new(
-        kv,
-        kv_ptrs,
-        layout.item_len,
-        aux,
-        aux_ptrs,
-        layout.aux_item_lens(),
-    )
-    .mla(layout.mla)
-}
-
-/// The `PUT /route` body of a TP-only prefill rank, in sglang main's form: none of sglang
-/// 0.5.23's keys, so a bootstrap server (kvx's or sglang's) keeps serving its decodes the 15-key
-/// sentinel both releases' decodes accept (0.5.23's decode defaults the four it adds). The
-/// `prefill_http_port` is `None` here; [`run`] sets it to [`prefill_http_port`].
+/// The `PUT /route` body of a TP-only prefill rank of the model `m` with its inbox at
+/// `ip:port` ([`kvx_engine::engine::rank_registration`]); [`run`] sets `prefill_http_port` to
+/// [`prefill_http_port`].
 pub fn rank_registration(m: &ModelArgs, ip: &str, port: u16) -> RankRegistration {
-    RankRegistration {
-        attn_tp_size: m.tp_size.max(1),
-        attn_tp_rank: m.tp_rank,
-        attn_cp_size: 1,
-        attn_cp_rank: 0,
-        attn_dp_size: 1,
-        attn_dp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        system_dp_size: 1,
-        system_dp_rank: 0,
-        rank_ip: ip.to_owned(),
-        rank_port: port,
-        page_size: Some(m.page_size),
-        kv_cache_dtype: Some(m.kv_cache_dtype.clone()),
-        load_balance_method: Some("follow_bootstrap_room".into()),
-        enable_dsa_cache_layer_split: Some(false),
-        prefill_http_port: None,
-        kv_layout: None,
-        dsv41_spec_layout: None,
-        enable_kv_cache_sharding: None,
-        decode_allocation_policy: None,
-    }
+    kvx_engine::engine::rank_registration(
+        (m.tp_size, m.tp_rank),
+        m.page_size,
+        &m.kv_cache_dtype,
+        ip,
+        port,
+    )
 }
 
 /// What `kvx prefill` registers as `prefill_http_port` (sglang: the prefill's HTTP API port on
@@ -86,7 +50,7 @@ pub fn prefill_http_port(metrics: Option<u16>, bootstrap: Option<u16>) -> Option
 /// Starts a prefill rank with its synthetic forward pass on its own thread.
 pub fn start_rank(
     args: &PrefillArgs,
-    backend: crate::plane::Backend,
+    backend: kvx_engine::plane::Backend,
     rt: tokio::runtime::Handle,
 ) -> Result<Arc<PrefillEngine>> {
     let m = &args.model;
@@ -351,7 +315,7 @@ const RE_REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
 /// process alive: the thread exits once the receiver is gone).
 fn wait_fatal(
     engine: Arc<PrefillEngine>,
-) -> tokio::sync::oneshot::Receiver<Arc<crate::fault::TransferThreadFailed>> {
+) -> tokio::sync::oneshot::Receiver<Arc<kvx_engine::fault::TransferThreadFailed>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let spawned = std::thread::Builder::new()
         .name("kvx-fatal-wait".into())

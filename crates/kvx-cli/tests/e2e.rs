@@ -280,7 +280,7 @@ fn tcp_shared_secret_keeps_out_a_prefill_without_it() {
     for (prefill_secret, want_ok) in [(None, false), (Some("s3cret"), true)] {
         let port = free_port();
         let env: Vec<(&str, &str)> = prefill_secret
-            .map(|s| vec![(kvx_cli::plane::TCP_SECRET_ENV, s)])
+            .map(|s| vec![(kvx_engine::plane::TCP_SECRET_ENV, s)])
             .unwrap_or_default();
         let _prefill = start_prefill(port, &["--backend", "tcp"], &env);
         let s = dir.path().join(format!("secret-{want_ok}.json"));
@@ -292,7 +292,7 @@ fn tcp_shared_secret_keeps_out_a_prefill_without_it() {
                 .arg("--summary-json")
                 .arg(&s)
                 .args(["--requests", "3", "--prompt-tokens", "200"])
-                .env(kvx_cli::plane::TCP_SECRET_ENV, "s3cret")
+                .env(kvx_engine::plane::TCP_SECRET_ENV, "s3cret")
                 .env("RUST_LOG", "warn"),
         )
         .wait_output(GUARD);

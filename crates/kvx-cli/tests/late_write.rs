@@ -11,11 +11,11 @@ mod common;
 use kvx_bootstrap::codec::AbortAck;
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
 use kvx_cli::decode::{self, DecodeConfig};
-use kvx_cli::model::ModelPreset;
-use kvx_cli::plane::{Backend, DataPlane};
-use kvx_cli::region::Region;
-use kvx_cli::wire::{self, PrefillInbound};
 use kvx_core::TransferOp;
+use kvx_engine::model::ModelPreset;
+use kvx_engine::plane::{Backend, DataPlane};
+use kvx_engine::region::Region;
+use kvx_engine::wire::{self, PrefillInbound};
 
 fn recv(rt: &tokio::runtime::Runtime, inbox: &mut Inbox) -> PrefillInbound {
     let msg = rt

@@ -7,12 +7,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvx_cli::decode::{self, DecodeConfig};
-use kvx_cli::engine::{PrefillConfig, PrefillEngine};
-use kvx_cli::forward::SyntheticModel;
-use kvx_cli::model::ModelPreset;
-use kvx_cli::pages::PageAllocator;
-use kvx_cli::prefill_cmd::prefill_memory;
 use kvx_core::{Chunk, KVPoll, PageSlice, Room};
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::model::ModelPreset;
+use kvx_engine::pages::PageAllocator;
+use kvx_engine::synthetic::SyntheticModel;
+use kvx_engine::synthetic::prefill_memory;
 
 #[test]
 fn embedded_sender_serves_a_decode() {

@@ -30,7 +30,7 @@ use common::{
     KVX, Proc, free_port, harness_summary, sglang_live, summary, tail, wait_harness_ready,
     wait_sentinel,
 };
-use kvx_cli::model::{self, ModelPreset};
+use kvx_engine::model::{self, ModelPreset};
 use serde_json::Value;
 
 /// One of these tests at a time, across threads (`cargo test`) and processes (`cargo nextest`):

@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
-use kvx_cli::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
-use kvx_cli::plane::{Backend, DataPlane};
-use kvx_cli::region::Region;
-use kvx_cli::wire::{self, DecodeInbound};
 use kvx_core::{
     Buffer, Chunk, DecodeRegistration, Destination, KVPoll, PageSlice, Room, SessionId,
     StateComponent, StateKind, TransferRequest,
 };
+use kvx_engine::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
+use kvx_engine::plane::{Backend, DataPlane};
+use kvx_engine::region::Region;
+use kvx_engine::wire::{self, DecodeInbound};
 
 const PAGES: u64 = 8;
 const ITEM: u64 = 256;

@@ -16,14 +16,15 @@ use kvx_bootstrap::http::{BootstrapClient, RetryPolicy};
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
 use kvx_cli::config::ModelArgs;
 use kvx_cli::decode::{self, DecodeConfig};
-use kvx_cli::engine::{PrefillConfig, PrefillEngine};
-use kvx_cli::model::{KvLayout, ModelPreset};
-use kvx_cli::prefill_cmd::{prefill_memory, rank_registration};
-use kvx_cli::wire::{self, PrefillInbound};
+use kvx_cli::prefill_cmd::rank_registration;
 use kvx_core::{
     Chunk, DecodeRegistration, Destination, Endpoint, KVPoll, PageSlice, Room, SessionId,
     TransferRequest,
 };
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::model::{KvLayout, ModelPreset};
+use kvx_engine::synthetic::prefill_memory;
+use kvx_engine::wire::{self, PrefillInbound};
 
 const GUARD: Duration = Duration::from_secs(30);
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
 use kvx_cli::config::ModelArgs;
-use kvx_cli::model::ModelPreset;
 use kvx_cli::prefill_cmd::rank_registration;
+use kvx_engine::model::ModelPreset;
 
 pub const KVX: &str = env!("CARGO_BIN_EXE_kvx");
 

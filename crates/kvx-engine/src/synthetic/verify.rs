@@ -1,5 +1,5 @@
 //! Byte verification of a received room against kvx's synthetic pattern (what `kvx prefill` and
-//! [`crate::forward::SyntheticModel`] write): every KV page of every buffer and the aux row,
+//! [`crate::synthetic::SyntheticModel`] write): every KV page of every buffer and the aux row,
 //! whose `bootstrap_room` slot must hold the room (sglang admits the request only then) and is
 //! zeroed afterwards, as sglang zeroes a used row's slot.
 

@@ -8,22 +8,21 @@
 //! and the last buffer's row carries the room (sglang's `bootstrap_room`, which a sglang decode's
 //! scheduler checks before it admits the request) followed by zeros.
 
-use clap::ValueEnum;
-
 /// A model shape preset.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ModelPreset {
     /// Llama-3-8B: MHA, 32 layers, 8 KV heads × 128, bf16 (128 KiB per token at TP1).
-    #[value(name = "llama3-8b")]
+    #[cfg_attr(feature = "clap", value(name = "llama3-8b"))]
     Llama3_8b,
     /// Llama-3-70B: MHA, 80 layers, 8 KV heads × 128, bf16, heads split across TP.
-    #[value(name = "llama3-70b")]
+    #[cfg_attr(feature = "clap", value(name = "llama3-70b"))]
     Llama3_70b,
     /// DeepSeek-V3: MLA, 61 layers, one 576-element bf16 latent per token and layer.
-    #[value(name = "deepseek-v3")]
+    #[cfg_attr(feature = "clap", value(name = "deepseek-v3"))]
     DeepseekV3,
     /// A tiny MHA model (2 layers, 1 KV head × 64, bf16) for quick tests.
-    #[value(name = "tiny")]
+    #[cfg_attr(feature = "clap", value(name = "tiny"))]
     Tiny,
 }
 

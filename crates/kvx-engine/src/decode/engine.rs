@@ -24,9 +24,9 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use kvx_cli::decode::engine::{DecodeEngine, DecodeEngineConfig, DecodeMemory};
-//! use kvx_cli::model::ModelPreset;
-//! use kvx_cli::region::Region;
+//! use kvx_engine::decode::engine::{DecodeEngine, DecodeEngineConfig, DecodeMemory};
+//! use kvx_engine::model::ModelPreset;
+//! use kvx_engine::region::Region;
 //! use kvx_core::{KVPoll, Room};
 //!
 //! let rt = tokio::runtime::Runtime::new()?;
@@ -56,10 +56,11 @@ use kvx_core::{KVPoll, Room};
 use tokio::sync::{Notify, OnceCell, watch};
 use tokio::task::JoinHandle;
 
+use super::Topology;
 use super::liveness::{heartbeat, ticker, watch_ranks};
-use super::{DecodeConfig, Peer, Topology, connect_prefill, lock, start_peer};
+use super::{DecodeStagingConfig, Peer, connect_prefill, lock, start_peer};
 use crate::model::KvLayout;
-use crate::plane::{Backend, DataPlane};
+use crate::plane::{Backend, DataPlane, RdmaOptions};
 use crate::region::Region;
 
 /// Settings of an embedded decode rank.
@@ -87,8 +88,13 @@ pub struct DecodeEngineConfig {
     pub zmq_send_timeout: Duration,
     /// How long an `ABORT`ed room's pages wait for every rank's `ABORT_ACK`.
     pub abort_release_timeout: Duration,
-    /// Data-plane backend the prefill writes through (`Tcp` or `Mooncake`).
+    /// Data-plane backend the prefill writes through (`Tcp`, `Mooncake`, `Verbs`, `Shm`).
     pub backend: Backend,
+    /// The RDMA device of the `Verbs` backend.
+    pub rdma: RdmaOptions,
+    /// Names the engine's data plane and its own memory (with the `Shm` backend, the staging
+    /// ring's `/dev/shm` file); `None`: `kvx-decode-engine-<pid>-<n>`.
+    pub name: Option<String>,
     /// Sentinel tries (1 s apart) when resolving a bootstrap address.
     pub bootstrap_tries: u32,
     /// Send [`DecodeEngineEvent`]s to the receiver [`DecodeEngine::take_events`] returns.
@@ -97,46 +103,29 @@ pub struct DecodeEngineConfig {
     /// staging path: the prefill writes whole chunks into the ring, the engine scatters them
     /// into the room's pages before Success). The ring is the engine's own memory, allocated and
     /// registered at start (`ring_bytes`); `None`: such rooms take the per-head-slice path.
-    pub staging: Option<super::DecodeStagingConfig>,
+    pub staging: Option<DecodeStagingConfig>,
 }
 
 impl DecodeEngineConfig {
     /// A decode rank with `layout` on loopback, TP 1, sglang's timeouts, tcp, events on.
     pub fn new(layout: KvLayout) -> Self {
-        let d = DecodeConfig::new("", 0, layout.clone());
         DecodeEngineConfig {
-            host: d.host,
+            host: "127.0.0.1".into(),
             layout,
             tp_size: 1,
             tp_rank: 0,
-            kv_cache_dtype: d.kv_cache_dtype,
-            waiting_timeout: d.waiting_timeout,
-            heartbeat_interval: d.heartbeat_interval,
-            heartbeat_max_failure: d.heartbeat_max_failure,
-            zmq_send_timeout: d.zmq_send_timeout,
-            abort_release_timeout: d.abort_release_timeout,
+            kv_cache_dtype: "auto".into(),
+            waiting_timeout: Duration::from_secs(300),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_max_failure: 2,
+            zmq_send_timeout: Duration::from_secs(1),
+            abort_release_timeout: Duration::from_secs(30),
             backend: Backend::Tcp,
+            rdma: RdmaOptions::default(),
+            name: None,
             bootstrap_tries: 15,
             events: true,
             staging: None,
-        }
-    }
-
-    /// The `kvx decode` peer's settings these amount to (no load generation).
-    fn peer_config(&self) -> DecodeConfig {
-        DecodeConfig {
-            host: self.host.clone(),
-            tp_size: self.tp_size,
-            tp_rank: self.tp_rank,
-            kv_cache_dtype: self.kv_cache_dtype.clone(),
-            waiting_timeout: self.waiting_timeout,
-            heartbeat_interval: self.heartbeat_interval,
-            heartbeat_max_failure: self.heartbeat_max_failure,
-            zmq_send_timeout: self.zmq_send_timeout,
-            abort_release_timeout: self.abort_release_timeout,
-            backend: self.backend,
-            staging: self.staging,
-            ..DecodeConfig::new("", 0, self.layout.clone())
         }
     }
 }
@@ -266,33 +255,15 @@ impl DecodeEngine {
             );
         }
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let name = format!(
-            "kvx-decode-engine-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let mut engine = Self::with_peer_config(
-            cfg.peer_config(),
-            mem,
-            &name,
-            cfg.bootstrap_tries,
-            cfg.events,
-        )
-        .await?;
-        engine.wait_on_drop = true;
-        Ok(engine)
-    }
-
-    /// The engine behind `kvx decode` too: any peer settings (staging, a drain's stop), the
-    /// data-plane name `name`. Dropped, it stops without waiting ([`DecodeEngine::close`]).
-    pub(super) async fn with_peer_config(
-        cfg: DecodeConfig,
-        mem: DecodeMemory,
-        name: &str,
-        bootstrap_tries: u32,
-        events: bool,
-    ) -> Result<DecodeEngine> {
-        let (peer, plane) = start_peer(cfg, mem.kv, mem.aux, name).await?;
+        let name = cfg.name.clone().unwrap_or_else(|| {
+            format!(
+                "kvx-decode-engine-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let (bootstrap_tries, events) = (cfg.bootstrap_tries, cfg.events);
+        let (peer, plane) = start_peer(cfg, mem.kv, mem.aux, &name).await?;
         let (tx, rx) = std::sync::mpsc::channel();
         let inner = Arc::new(Inner {
             tasks: Mutex::new(vec![tokio::spawn(ticker(peer.clone()))]),
@@ -308,27 +279,32 @@ impl DecodeEngine {
         Ok(DecodeEngine {
             inner,
             events: Mutex::new(events.then_some(rx)),
-            wait_on_drop: false,
+            wait_on_drop: true,
         })
     }
 
-    /// The peer the engine drives rooms with.
-    pub(super) fn peer(&self) -> &Arc<Peer> {
-        &self.inner.peer
+    /// Makes dropping the engine [`DecodeEngine::close`] it instead of
+    /// [`DecodeEngine::shutdown`]: for a driver that owns its memory for the life of the
+    /// process and drops the engine inside an async task, where `shutdown` must not block.
+    pub fn close_on_drop(mut self) -> Self {
+        self.wait_on_drop = false;
+        self
     }
 
-    /// Resolves the prefill instance at `addr` through `client` now (as the first room would).
-    pub(super) async fn resolve(
-        &self,
-        addr: &str,
-        client: &BootstrapClient,
-    ) -> Result<Arc<Topology>> {
-        self.inner.topology(addr, client).await
+    /// Resolves the prefill instance whose bootstrap server is `bootstrap_addr` (`host:port`)
+    /// now, as the first room naming it would (sentinel, rank routes, one registration per
+    /// target rank; its heartbeat and rank watcher start): a decode that knows its prefill can
+    /// learn of a bad address or mismatched layout before the first request.
+    pub async fn resolve(&self, bootstrap_addr: &str) -> Result<()> {
+        let client = bootstrap_client(bootstrap_addr)?;
+        self.inner.topology(bootstrap_addr, &client).await.map(drop)
     }
 
-    /// Stops at once, without failing rooms or waiting for tasks to let go of the memory
-    /// (`kvx decode` owns its memory and ends with the process).
-    pub(super) fn close(&self) {
+    /// Stops at once, without failing rooms or waiting for the engine's tasks to let go of the
+    /// memory: for a process that owns its memory and is about to exit (use
+    /// [`DecodeEngine::shutdown`] to hand the memory back while the process lives on). Rooms'
+    /// handles resolve `Failed`.
+    pub fn close(&self) {
         let inner = &self.inner;
         if inner.peer.stop.swap(true, Ordering::Relaxed) {
             return;
@@ -338,6 +314,34 @@ impl DecodeEngine {
         }
         drop(lock(&inner.plane).take());
         lock(&inner.rooms).clear();
+    }
+
+    /// Fails `room` locally with `reason` (if it is not terminal yet): `ABORT` to each of its
+    /// prefill ranks, its pages held until every rank acknowledged, as for a waiting timeout.
+    /// True when an `ABORT` went out.
+    pub async fn abort_room(&self, room: Room, reason: &str) -> bool {
+        let peer = &self.inner.peer;
+        let aborts = peer.handle(DecodeEvent::LocalAbort { room }, Some(reason));
+        let sent = !aborts.is_empty();
+        peer.send_aborts(aborts).await;
+        sent
+    }
+
+    /// Rooms opened and not terminal yet.
+    pub fn open_rooms(&self) -> Vec<Room> {
+        lock(&self.inner.peer.waiters).keys().copied().collect()
+    }
+
+    /// Counters since the engine started (see [`DecodeStats`]).
+    pub fn stats(&self) -> DecodeStats {
+        let p = &self.inner.peer;
+        DecodeStats {
+            dropped_messages: p.dropped.load(Ordering::Relaxed),
+            aborted_rooms: p.aborted_rooms.load(Ordering::Relaxed),
+            abort_acked_rooms: p.abort_acked_rooms.load(Ordering::Relaxed),
+            late_writes: p.late_writes.load(Ordering::Relaxed),
+            staged_chunks: p.stager.as_ref().map_or(0, |st| st.scattered()),
+        }
     }
 
     /// The data-plane session id the prefill writes to (`ip:port`).
@@ -368,10 +372,7 @@ impl DecodeEngine {
         if aux_row >= l.aux_rows {
             bail!("aux row {aux_row} outside the {} rows", l.aux_rows);
         }
-        let (host, port) = bootstrap_addr
-            .rsplit_once(':')
-            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
-            .with_context(|| format!("bootstrap address {bootstrap_addr:?} is not host:port"))?;
+        let client = bootstrap_client(bootstrap_addr)?;
         if self.inner.peer.stop.load(Ordering::Relaxed) {
             bail!("decode engine shut down");
         }
@@ -392,7 +393,6 @@ impl DecodeEngine {
                 },
             );
         }
-        let client = BootstrapClient::new(host, port)?;
         let task = self.inner.rt.spawn(room_task(
             self.inner.clone(),
             room,
@@ -467,6 +467,31 @@ impl DecodeEngine {
         // Handles still held learn of it: `wait` resolves Failed, `wait_released` false.
         lock(&inner.rooms).clear();
     }
+}
+
+/// A client of the bootstrap server at `addr` (`host:port`).
+fn bootstrap_client(addr: &str) -> Result<BootstrapClient> {
+    let (host, port) = addr
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+        .with_context(|| format!("bootstrap address {addr:?} is not host:port"))?;
+    Ok(BootstrapClient::new(host, port)?)
+}
+
+/// What a decode engine counted since it started ([`DecodeEngine::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DecodeStats {
+    /// Inbox messages dropped as malformed or not for this decode (counted and logged).
+    pub dropped_messages: u64,
+    /// Failed rooms whose `ABORT` went out.
+    pub aborted_rooms: u64,
+    /// Of those, rooms every prefill rank acknowledged before the release timeout.
+    pub abort_acked_rooms: u64,
+    /// Writes seen in an acknowledged room's pages after its last `ABORT_ACK`.
+    pub late_writes: u64,
+    /// Staged chunks scattered from the staging ring into rooms' pages.
+    pub staged_chunks: u64,
 }
 
 impl Drop for DecodeEngine {

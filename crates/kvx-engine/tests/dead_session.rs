@@ -10,14 +10,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::zmq;
-use kvx_cli::engine::{PrefillConfig, PrefillEngine};
-use kvx_cli::model::ModelPreset;
-use kvx_cli::prefill_cmd::prefill_memory;
-use kvx_cli::wire::{self, DecodeInbound};
 use kvx_core::{
     Chunk, DecodeRegistration, Destination, Endpoint, KVPoll, PageSlice, Room, SessionId,
     TransferRequest,
 };
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::model::ModelPreset;
+use kvx_engine::synthetic::prefill_memory;
+use kvx_engine::wire::{self, DecodeInbound};
 
 fn wait(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
@@ -37,7 +37,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let cfg = PrefillConfig {
         queues: 1,
         connections: 1,
-        backend: kvx_cli::plane::Backend::Tcp,
+        backend: kvx_engine::plane::Backend::Tcp,
         total_kv_heads: layout.total_kv_heads,
         ..PrefillConfig::default()
     };

@@ -51,7 +51,8 @@ enum SessionSource {
 }
 
 /// Which `kvx-rdma` backend a plane uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Backend {
     /// Sending: per peer, Mooncake TE's protocol when the peer's port answers it (an sglang
     /// decode), else kvx's tcp. Receiving: kvx's tcp.

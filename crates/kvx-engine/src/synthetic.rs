@@ -1,4 +1,6 @@
-//! The synthetic forward pass of `kvx prefill`: stands in for a model that computes KV.
+//! A synthetic model for tests, examples and benchmarks: a forward pass that stands in for a model
+//! computing KV (what `kvx prefill` runs), the memory it writes into, and the check of every byte
+//! a decode received ([`verify_room`]).
 //!
 //! When a room is ready (every decode sent metadata) it takes source pages from the prefill's pool
 //! (fragmented like a busy server's), writes the deterministic pattern of the room into every
@@ -14,10 +16,32 @@ use std::time::Duration;
 
 use kvx_core::{Chunk, PageSlice, Room};
 
-use crate::engine::{EngineEvent, PrefillEngine};
+use crate::engine::{EngineEvent, PrefillEngine, PrefillMemory};
 use crate::model::{self, KvLayout};
 use crate::pages::PageAllocator;
 use crate::region::Region;
+
+mod verify;
+
+pub use verify::verify_room;
+
+/// A prefill rank's memory for `layout`, allocated here (page-aligned, zeroed): the KV pool with
+/// its buffers back to back and sglang's default aux buffers.
+pub fn prefill_memory(layout: &KvLayout) -> PrefillMemory {
+    let kv = Arc::new(Region::new(layout.pool_bytes() as usize));
+    let aux = Arc::new(Region::new(layout.aux_bytes() as usize));
+    let kv_ptrs = layout.kv_ptrs(kv.base());
+    let aux_ptrs = layout.aux_ptrs(aux.base());
+    PrefillMemory::new(
+        kv,
+        kv_ptrs,
+        layout.item_len,
+        aux,
+        aux_ptrs,
+        layout.aux_item_lens(),
+    )
+    .mla(layout.mla)
+}
 
 /// The pool a synthetic forward pass writes into.
 pub struct SyntheticModel {

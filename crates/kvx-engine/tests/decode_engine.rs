@@ -10,15 +10,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_cli::decode::engine::{DecodeEngine, DecodeEngineConfig, DecodeEngineEvent, DecodeMemory};
-use kvx_cli::decode::verify_room;
-use kvx_cli::engine::{PrefillConfig, PrefillEngine};
-use kvx_cli::forward::SyntheticModel;
-use kvx_cli::model::{KvLayout, ModelPreset};
-use kvx_cli::pages::PageAllocator;
-use kvx_cli::prefill_cmd::prefill_memory;
-use kvx_cli::region::Region;
 use kvx_core::{Chunk, KVPoll, PageSlice, Room};
+use kvx_engine::decode::engine::{
+    DecodeEngine, DecodeEngineConfig, DecodeEngineEvent, DecodeMemory,
+};
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::model::{KvLayout, ModelPreset};
+use kvx_engine::pages::PageAllocator;
+use kvx_engine::region::Region;
+use kvx_engine::synthetic::SyntheticModel;
+use kvx_engine::synthetic::prefill_memory;
+use kvx_engine::synthetic::verify_room;
 
 const POOL: u64 = 256;
 
@@ -42,7 +44,7 @@ impl Prefill {
         };
         let engine =
             PrefillEngine::start(cfg, mem.clone(), rt.handle().clone()).expect("prefill engine");
-        common::register_tiny_rank(rt, port, POOL, engine.endpoint().port);
+        common::register_tiny_rank(rt, port, engine.endpoint().port);
         let model = SyntheticModel {
             layout: layout.clone(),
             kv: mem.kv.clone(),

@@ -15,8 +15,8 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use kvx_cli::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
-//! use kvx_cli::region::Region;
+//! use kvx_engine::engine::{PrefillConfig, PrefillEngine, PrefillMemory};
+//! use kvx_engine::region::Region;
 //! use kvx_core::{Chunk, KVPoll, PageSlice, Room};
 //!
 //! let kv = Arc::new(Region::new(64 * 4096));
@@ -72,6 +72,7 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvx_bootstrap::http::RankRegistration;
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, SocketError, zmq};
 use kvx_core::prefill::{LocalMemory, PrefillError, PrefillManager};
 use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, StateComponent};
@@ -477,6 +478,20 @@ impl PrefillEngine {
         &self.cfg
     }
 
+    /// This rank's `PUT /route` body (see [`rank_registration`]) with its inbox as bound and its
+    /// TP rank, TP size and page size as configured; `kv_cache_dtype` is what decodes compare
+    /// with theirs (sglang's `auto` when unset).
+    pub fn rank_registration(&self, kv_cache_dtype: &str) -> RankRegistration {
+        let c = &self.cfg;
+        rank_registration(
+            (c.tp_size, c.tp_rank),
+            u64::from(c.page_size),
+            kv_cache_dtype,
+            &self.endpoint.host,
+            self.endpoint.port,
+        )
+    }
+
     /// Sends a call to the loop and waits for its answer; `None` once the loop stopped.
     fn call<T>(&self, make: impl FnOnce(SyncSender<T>) -> Call) -> Option<T> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -661,5 +676,41 @@ pub(crate) fn count_dropped(inbox: &Inbox, seen: &mut u64, counter: &'static str
     if now > *seen {
         metrics::counter!(counter, "kind" => "inbox").increment(now - *seen);
         *seen = now;
+    }
+}
+
+/// The `PUT /route` body of a TP-only prefill rank (`(tp_size, tp_rank)`) whose inbox is
+/// `ip:port`, in sglang main's form: none of sglang 0.5.23's keys, so a bootstrap server (kvx's
+/// or sglang's) keeps serving its decodes the 15-key sentinel both releases' decodes accept
+/// (0.5.23's decode defaults the four it adds). `prefill_http_port` is `None`.
+pub fn rank_registration(
+    (tp_size, tp_rank): (u32, u32),
+    page_size: u64,
+    kv_cache_dtype: &str,
+    ip: &str,
+    port: u16,
+) -> RankRegistration {
+    RankRegistration {
+        attn_tp_size: tp_size.max(1),
+        attn_tp_rank: tp_rank,
+        attn_cp_size: 1,
+        attn_cp_rank: 0,
+        attn_dp_size: 1,
+        attn_dp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        system_dp_size: 1,
+        system_dp_rank: 0,
+        rank_ip: ip.to_owned(),
+        rank_port: port,
+        page_size: Some(page_size),
+        kv_cache_dtype: Some(kv_cache_dtype.to_owned()),
+        load_balance_method: Some("follow_bootstrap_room".into()),
+        enable_dsa_cache_layer_split: Some(false),
+        prefill_http_port: None,
+        kv_layout: None,
+        dsv41_spec_layout: None,
+        enable_kv_cache_sharding: None,
+        decode_allocation_policy: None,
     }
 }
