@@ -79,6 +79,7 @@ use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, StateCompo
 use kvx_staging::ChunkGrid;
 
 use crate::fault::TransferThreadFailed;
+use crate::memory::MemoryError;
 use crate::plane::DataPlane;
 use crate::prefill_staging::{LocalShape, StagingDriver};
 use crate::region::Region;
@@ -298,6 +299,10 @@ pub enum EngineError {
     /// The aux layout is unusable.
     #[error("aux layout: {0}")]
     Layout(#[from] kvx_core::LayoutError),
+    /// The memory is of a kind the engine cannot use there (device aux rows, staging over a
+    /// device KV pool; see [`crate::memory`]).
+    #[error("memory: {0}")]
+    Memory(#[from] MemoryError),
 }
 
 /// Most inputs queued for the loop (decode messages, calls, reports); the inbox waits beyond.
@@ -334,6 +339,12 @@ impl PrefillEngine {
         mem: PrefillMemory,
         rt: tokio::runtime::Handle,
     ) -> Result<PrefillEngine, EngineError> {
+        crate::memory::check(
+            &mem.kv,
+            &mem.aux,
+            cfg.staging.then_some("PrefillConfig::staging"),
+            crate::memory::PREFILL_AUX,
+        )?;
         let name = format!("kvx-prefill-{}-{}", std::process::id(), cfg.tp_rank);
         let page_size = u64::from(cfg.page_size.max(1));
         let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)
