@@ -52,7 +52,8 @@ fn assert_refuses(t: &dyn Transport, backend: &str) {
     let dev = NoAccess::new(1 << 16);
     assert!(!t.accepts_device_memory(), "{backend}");
     // SAFETY: the mapping outlives the call; the default implementation refuses before any use.
-    let err = unsafe { t.register_device(dev.base(), 1 << 16) }.unwrap_err();
+    let err = unsafe { t.register_device(dev.base(), 1 << 16) }
+        .expect_err("a CPU backend refuses device memory");
     assert_eq!(
         err,
         TransportError::DeviceMemoryUnsupported { backend: t.kind() }
@@ -72,9 +73,9 @@ fn assert_refuses(t: &dyn Transport, backend: &str) {
     // Host memory still registers after the refusal.
     let host = vec![0u8; 4096];
     // SAFETY: `host` outlives the transport's use of it (deregistered just below).
-    let key = unsafe { t.register(host.as_ptr() as u64, 4096) }.unwrap();
+    let key = unsafe { t.register(host.as_ptr() as u64, 4096) }.expect("host memory registers");
     assert_eq!(t.descriptor().regions.len(), 1);
-    t.deregister(key).unwrap();
+    t.deregister(key).expect("deregister");
 }
 
 #[tokio::test]
