@@ -93,7 +93,8 @@ unsafe impl Send for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Region({:#x}+{})", self.base(), self.len())
+        let kind = if self.device { ", device" } else { "" };
+        write!(f, "Region({:#x}+{}{kind})", self.base(), self.len())
     }
 }
 

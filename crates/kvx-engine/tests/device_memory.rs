@@ -28,11 +28,6 @@ struct NoAccess {
     len: usize,
 }
 
-// SAFETY: the mapping is never dereferenced; only its address travels.
-unsafe impl Send for NoAccess {}
-// SAFETY: as above.
-unsafe impl Sync for NoAccess {}
-
 impl NoAccess {
     fn new(len: usize) -> NoAccess {
         // SAFETY: an anonymous private mapping with no access rights; never dereferenced.
