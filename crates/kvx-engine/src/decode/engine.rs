@@ -17,8 +17,8 @@
 //! (`Done` and `Released` together); a failed one only when nothing can land in them any more —
 //! an `ABORT`ed room once every prefill rank it went to returned its `ABORT_ACK` (sent only once
 //! its writes drained; host pages are then checked unchanged for a moment, device pages are
-//! not — the CPU does not read them) or after
-//! `abort_release_timeout`, another failed room after a grace (sglang's deferred KV release).
+//! not — the CPU does not read them) or after `abort_release_timeout`, another failed room after
+//! a grace (sglang's deferred KV release).
 //! Dropping a room's [`RoomHandle`] before the room is terminal fails it locally: `ABORT` to its
 //! prefill ranks, pages held as above. The protocol itself is the `kvx decode` peer's
 //! (`Peer::drive_room`, `Peer::settle_room`): the same messages, byte for byte.
