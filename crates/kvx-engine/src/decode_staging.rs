@@ -22,7 +22,7 @@ use kvx_staging::{
 };
 
 use crate::model::KvLayout;
-use crate::region::{OutOfBounds, Region};
+use crate::region::{AccessError, Region};
 use crate::wire::{self, Frames};
 
 /// A message to send to a prefill rank's inbox.
@@ -38,9 +38,10 @@ pub enum StagingError {
     /// The scatter's geometry did not fit the pages.
     #[error("scatter: {0}")]
     Copy(#[from] CopyError),
-    /// A ring or page range outside its region.
+    /// A ring or page range outside its region (or in device memory, which the CPU scatter
+    /// cannot touch: the engines refuse staging with device KV at start).
     #[error("scatter: {0}")]
-    Bounds(#[from] OutOfBounds),
+    Bounds(#[from] AccessError),
     /// The room's geometry is unusable.
     #[error("staging geometry: {0}")]
     Geometry(String),

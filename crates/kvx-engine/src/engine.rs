@@ -39,19 +39,33 @@
 //!
 //! A serving stack hands its own buffers to an engine ([`PrefillEngine`] here,
 //! [`crate::decode::engine::DecodeEngine`] on the decode side) as [`Region`]s made with the
-//! `unsafe` [`Region::from_raw`]; nothing is copied and the engine never frees them. The
-//! contract has four parts, the first two being `from_raw`'s `# Safety`:
+//! `unsafe` [`Region::from_raw`] (host memory) or [`Region::from_raw_device`] (device memory);
+//! nothing is copied and the engine never frees them. The contract has four parts, the first
+//! two being the constructors' `# Safety`:
 //!
-//! 1. **Host memory, valid until shutdown.** Each range is host memory of this process, readable
-//!    and writable, until [`PrefillEngine::shutdown`] returned `true` (it also runs on drop;
-//!    `false` means threads were still running — leak the memory rather than free it), or
-//!    `DecodeEngine::shutdown` returned. Device memory is not accepted by the engines: they
-//!    touch memory through the CPU (the room id written into aux rows, staging gather and
-//!    scatter, the decode's check that an aborted room's pages stopped changing), whatever the
-//!    backend. What each data-plane backend could register is listed in `kvx-rdma`'s crate docs.
+//! 1. **Valid until shutdown; host or device as declared.** Each range is memory of this
+//!    process — host memory readable and writable by the CPU (`from_raw`), or device memory such
+//!    as a CUDA allocation (`from_raw_device`) — until [`PrefillEngine::shutdown`] returned
+//!    `true` (it also runs on drop; `false` means threads were still running — leak the memory
+//!    rather than free it), or `DecodeEngine::shutdown` returned. What is accepted where:
+//!
+//!    | memory | host | device |
+//!    |---|---|---|
+//!    | KV pool (both engines), prefill state buffers | every backend | `verbs` only (a GPUDirect-RDMA capable NIC and `nvidia-peermem`; untested by kvx) |
+//!    | aux rows | every backend | never: [`MemoryError::DeviceAux`] (the engines write the room id and `AUX_DATA` rows with the CPU) |
+//!    | KV pool with staging on ([`PrefillConfig::staging`], `DecodeEngineConfig::staging`) | every backend | never: [`MemoryError::StagingWithDeviceKv`] (staging gathers and scatters pages with the CPU) |
+//!
+//!    A device KV pool over `tcp`, `auto`, `mooncake`, `local` or `shm` fails at start with
+//!    [`EngineError::Transport`]`(`[`kvx_rdma::TransportError::DeviceMemoryUnsupported`]`)`
+//!    naming the backend (those backends move bytes with the CPU). The engines never touch a
+//!    device region from the CPU: every [`Region`] accessor refuses it
+//!    ([`crate::region::AccessError::Device`]), and the decode skips its check that an aborted
+//!    room's pages stopped changing for a device pool (the release then rests on the
+//!    `ABORT_ACK`s and the release timeout). What each data-plane backend registers is listed
+//!    in `kvx-rdma`'s crate docs.
 //! 2. **No references into live pages.** Peers and the data plane read and write the ranges
 //!    from other threads at any time; code outside kvx holds no `&[u8]`/`&mut [u8]` over pages
-//!    of a room in flight. Move bytes with [`Region::copy_in`]/[`Region::copy_out`], or use the
+//!    of a room in flight (for device memory: no GPU kernel writes them either). Move bytes with [`Region::copy_in`]/[`Region::copy_out`], or use the
 //!    `unsafe` views [`Region::view`]/[`Region::with_mut`] only on pages the caller owns (3).
 //! 3. **Per-room ownership.** Prefill: the pages a chunk names, and the room's aux row (the
 //!    engine writes the room id into it), are read by the data plane from
@@ -79,6 +93,7 @@ use kvx_core::{AuxLayout, BatchLimits, Chunk, Endpoint, KVPoll, Room, StateCompo
 use kvx_staging::ChunkGrid;
 
 use crate::fault::TransferThreadFailed;
+use crate::memory::MemoryError;
 use crate::plane::DataPlane;
 use crate::prefill_staging::{LocalShape, StagingDriver};
 use crate::region::Region;
@@ -298,6 +313,10 @@ pub enum EngineError {
     /// The aux layout is unusable.
     #[error("aux layout: {0}")]
     Layout(#[from] kvx_core::LayoutError),
+    /// The memory is of a kind the engine cannot use there (device aux rows, staging over a
+    /// device KV pool; see [`crate::memory`]).
+    #[error("memory: {0}")]
+    Memory(#[from] MemoryError),
 }
 
 /// Most inputs queued for the loop (decode messages, calls, reports); the inbox waits beyond.
@@ -334,6 +353,12 @@ impl PrefillEngine {
         mem: PrefillMemory,
         rt: tokio::runtime::Handle,
     ) -> Result<PrefillEngine, EngineError> {
+        crate::memory::check(
+            &mem.kv,
+            &mem.aux,
+            cfg.staging.then_some("PrefillConfig::staging"),
+            crate::memory::PREFILL_AUX,
+        )?;
         let name = format!("kvx-prefill-{}-{}", std::process::id(), cfg.tp_rank);
         let page_size = u64::from(cfg.page_size.max(1));
         let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)

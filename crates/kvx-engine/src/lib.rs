@@ -15,8 +15,10 @@
 //! - [`decode`]: the decode rank — bootstrap resolution, registration per prefill rank, metadata
 //!   per room, heartbeats, rank watching, waiting timeout with `ABORT`, deferred page release,
 //!   staging scatter ([`decode_staging`]).
-//! - [`region`]: registered memory (the engine's own or the caller's); [`plane`]: the backend
-//!   choice and the data plane a rank registers its memory with; [`wire`]: the control messages
+//! - [`region`]: registered memory (the engine's own or the caller's, host or device);
+//!   [`memory`]: what the engines accept (device KV with `verbs`, host aux rows, staging over
+//!   host KV only); [`plane`]: the backend choice and the data plane a rank registers its
+//!   memory with; [`wire`]: the control messages
 //!   as both ranks parse and build them; [`fault`]: the dead-worker error and exit code.
 //! - [`model`], [`pages`], [`synthetic`]: model shapes, a page allocator and a synthetic forward
 //!   pass with a byte pattern a decode can check — for tests, examples and benchmarks.
@@ -71,7 +73,8 @@
 //!
 //! ## Stability
 //!
-//! Error enums (`EngineError`, `StagingError`, `BackendError`, `WorkerFault`, `AuxError`) and
+//! Error enums (`EngineError`, `StagingError`, `BackendError`, `WorkerFault`, `AuxError`,
+//! `AccessError`, `MemoryError`) and
 //! [`decode::engine::DecodeStats`] are `#[non_exhaustive]`. The engines' events
 //! ([`engine::EngineEvent`], [`decode::engine::DecodeEngineEvent`]) are not: an embedder must act
 //! on each (pages come back through them), so a new one is a breaking change by design. Config
@@ -84,6 +87,7 @@ pub mod decode;
 pub mod decode_staging;
 pub mod engine;
 pub mod fault;
+pub mod memory;
 pub mod model;
 pub mod pages;
 pub mod plane;

@@ -12,6 +12,13 @@
 //! `shm` is the same-host backend across processes: the decode's memory lives in `/dev/shm` files
 //! ([`alloc_region`]) that it lists in a host file, and a prefill on the host maps them and
 //! copies into them (`kvx-rdma`'s `local` backend, which `local` uses within one process).
+//!
+//! Device memory ([`Region::from_raw_device`]) is registered with
+//! [`Transport::register_device`]; only `verbs` accepts it (a GPUDirect-RDMA capable NIC and the
+//! kernel's `nvidia-peermem`; untested by kvx). Every other backend moves bytes with the CPU and
+//! refuses before anything is registered, with
+//! [`TransportError::DeviceMemoryUnsupported`] naming the backend and saying that device memory
+//! needs `verbs`.
 
 use std::sync::Arc;
 
@@ -337,13 +344,36 @@ impl DataPlane {
         transport: Arc<dyn Transport>,
         regions: Vec<Arc<Region>>,
     ) -> Result<DataPlane, TransportError> {
+        if regions.iter().any(|r| r.is_device()) && !transport.accepts_device_memory() {
+            // Before registering anything: the backend's CPU would read and write the bytes.
+            return Err(TransportError::DeviceMemoryUnsupported {
+                backend: transport.kind(),
+            });
+        }
         let mut keys = Vec::with_capacity(regions.len());
         for r in &regions {
-            // SAFETY: the region is a live heap allocation owned through the `Arc` this plane
-            // keeps until after `Drop` deregisters it; its bytes are interior-mutable
-            // (`UnsafeCell`), so peers and the transport may write them from other threads.
-            let key = unsafe { transport.register(r.base(), r.len())? };
-            keys.push(key);
+            let key = if r.is_device() {
+                // SAFETY: `from_raw_device`'s contract keeps the device range allocated while
+                // the region lives, and this plane keeps its `Arc` until after `Drop`
+                // deregistered it; the transport accepts device memory (checked above: `verbs`),
+                // so it never touches the range from the CPU.
+                unsafe { transport.register_device(r.base(), r.len()) }
+            } else {
+                // SAFETY: the region is live host memory (its own allocation, a mapping, or
+                // caller memory under `from_raw`'s contract) held through the `Arc` this plane
+                // keeps until after `Drop` deregisters it; its bytes are interior-mutable
+                // (`UnsafeCell`), so peers and the transport may write them from other threads.
+                unsafe { transport.register(r.base(), r.len()) }
+            };
+            match key {
+                Ok(k) => keys.push(k),
+                Err(e) => {
+                    for k in keys {
+                        let _ = transport.deregister(k);
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(DataPlane {
             transport,
@@ -510,6 +540,9 @@ impl DataPlane {
         })?;
         let t = LocalTransport::new(name)?;
         let mut keys = Vec::with_capacity(regions.len());
+        if regions.iter().any(|r| r.is_device()) {
+            return Err(TransportError::DeviceMemoryUnsupported { backend: "shm" });
+        }
         for r in &regions {
             let shm = r.shm_region().ok_or_else(|| TransportError::Registration {
                 addr: r.base(),

@@ -1,6 +1,7 @@
-//! Registered host memory: a byte region addressed by virtual address, either allocated and
-//! zeroed here or the embedder's own memory (`Region::from_raw`: a serving stack's KV pool,
-//! never copied, never freed here).
+//! Registered memory: a byte region addressed by virtual address, either allocated and zeroed
+//! here or the embedder's own memory — host memory ([`Region::from_raw`]: a serving stack's KV
+//! pool, never copied, never freed here) or device memory ([`Region::from_raw_device`]: a GPU KV
+//! pool, which the CPU never touches).
 //!
 //! A region may also live in a `/dev/shm` file ([`Region::new_shm`]): that is the memory a
 //! decode offers to prefills on the same host through the `shm` backend.
@@ -14,6 +15,11 @@
 //! `unsafe`: their caller promises the page-ownership contract (a page belongs to one room at a
 //! time, is written only by the room's producer — the forward pass on the prefill, the data plane
 //! on the decode — and is read only after that write finished).
+//!
+//! A device region ([`Region::is_device`]) has the same addresses, bounds and registration, but
+//! every CPU accessor above refuses it with [`AccessError::Device`] before forming a pointer:
+//! only the data plane's NIC (the `verbs` backend) moves its bytes. [`Region::contains`],
+//! [`Region::base`] and [`Region::len`] work for both kinds.
 
 use std::cell::UnsafeCell;
 use std::sync::Arc;
@@ -34,9 +40,35 @@ pub struct OutOfBounds {
     pub size: u64,
 }
 
-/// A fixed-size byte region in host memory, shared between threads: allocated and owned by the
-/// region ([`Region::new`]), a `/dev/shm` mapping it owns ([`Region::new_shm`]), or the caller's
-/// memory ([`Region::from_raw`], never freed here).
+/// Why a CPU access to a region was refused (nothing was read or written).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AccessError {
+    /// The range is not inside the region.
+    #[error(transparent)]
+    OutOfBounds(#[from] OutOfBounds),
+    /// The region is device memory ([`Region::from_raw_device`]): the CPU never reads or writes
+    /// it.
+    #[error(
+        "range {addr:#x}+{len} of region {base:#x}+{size} is device memory: the CPU does not \
+         read or write it"
+    )]
+    Device {
+        /// First byte asked for.
+        addr: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// Region base address.
+        base: u64,
+        /// Region size in bytes.
+        size: u64,
+    },
+}
+
+/// A fixed-size byte region shared between threads: host memory allocated and owned by the
+/// region ([`Region::new`]), a `/dev/shm` mapping it owns ([`Region::new_shm`]), the caller's
+/// host memory ([`Region::from_raw`]) or the caller's device memory
+/// ([`Region::from_raw_device`]); caller memory is never freed here.
 pub struct Region {
     /// First byte (the owned box's, the mapping's, or the caller's).
     ptr: *mut u8,
@@ -46,11 +78,14 @@ pub struct Region {
     /// The shared mapping when the region lives in `/dev/shm` (unmapped and its file removed
     /// once the last holder, this region or a transport it is registered with, lets go).
     shm: Option<Arc<ShmRegion>>,
+    /// Device memory ([`Region::from_raw_device`]): no CPU access, ever.
+    device: bool,
 }
 
 // SAFETY: every access is bounds-checked and goes through raw pointers (to `UnsafeCell` bytes, or
-// to a shared mapping no reference is formed to); the safe methods form no references to the region's bytes, and the views that do are `unsafe` with
-// the page-ownership contract (documented on the module) as their precondition.
+// to a shared mapping no reference is formed to); the safe methods form no references to the
+// region's bytes, and the views that do are `unsafe` with the page-ownership contract (documented
+// on the module) as their precondition. A device region is never accessed by the CPU at all.
 unsafe impl Sync for Region {}
 // SAFETY: the region owns its allocation (moving it moves only the box; the heap bytes stay) or its
 // shared mapping (an `Arc`; the mapping never moves), or refers to caller memory that `from_raw`'s contract keeps valid wherever the region is used.
@@ -58,7 +93,8 @@ unsafe impl Send for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Region({:#x}+{})", self.base(), self.len())
+        let kind = if self.device { ", device" } else { "" };
+        write!(f, "Region({:#x}+{}{kind})", self.base(), self.len())
     }
 }
 
@@ -75,6 +111,7 @@ impl Region {
             len,
             owned: Some(bytes),
             shm: None,
+            device: false,
         }
     }
 
@@ -89,6 +126,7 @@ impl Region {
             len: shm.len(),
             owned: None,
             shm: Some(shm),
+            device: false,
         })
     }
 
@@ -109,10 +147,35 @@ impl Region {
     /// data plane deregistered them, so keep the memory until the engine is dropped. Peers write
     /// it concurrently; code outside kvx must not hold references into pages of a room in flight
     /// (the page-ownership contract of this module). Device memory is not host memory: the
-    /// region's methods read and write through the CPU, so only host addresses may be given.
+    /// region's methods read and write through the CPU, so only host addresses may be given
+    /// here; wrap device memory with [`Region::from_raw_device`].
     /// An engine adds per-room ownership and disjoint ranges: see the contract in
     /// [`crate::engine`] (*Caller-owned memory*).
     pub unsafe fn from_raw(addr: u64, len: usize) -> Option<Region> {
+        Self::wrap(addr, len, false)
+    }
+
+    /// Wraps `len` bytes of the caller's device memory at `addr` — a serving stack's GPU KV
+    /// pool — without copying or touching it; the region never frees it. Every CPU accessor
+    /// ([`Region::copy_in`], [`Region::copy_out`], [`Region::to_vec`], [`Region::fill`],
+    /// [`Region::view`], [`Region::with_mut`]) refuses it with [`AccessError::Device`];
+    /// [`Region::contains`] bounds-checks as for host memory. Only the `verbs` backend
+    /// registers it (see [`crate::plane`]); the engines accept it for KV and state, not for aux
+    /// rows or with staging. `None` for a null address or a range that wraps the address space.
+    ///
+    /// # Safety
+    ///
+    /// `[addr, addr + len)` must be device memory of this process (a CUDA allocation, say),
+    /// allocated for as long as the region lives: an engine holds its regions until it has shut
+    /// down and its data plane deregistered them, so keep the allocation until the engine is
+    /// dropped. The engine never touches it from the CPU; the NIC reads and writes it while it
+    /// is registered, so the page-ownership contract of this module applies to GPU kernels as
+    /// to CPU code (see [`crate::engine`], *Caller-owned memory*).
+    pub unsafe fn from_raw_device(addr: u64, len: usize) -> Option<Region> {
+        Self::wrap(addr, len, true)
+    }
+
+    fn wrap(addr: u64, len: usize, device: bool) -> Option<Region> {
         if addr == 0 || addr.checked_add(len as u64).is_none() {
             return None;
         }
@@ -121,12 +184,20 @@ impl Region {
             len,
             owned: None,
             shm: None,
+            device,
         })
     }
 
-    /// True when the region wraps caller memory ([`Region::from_raw`]).
+    /// True when the region wraps caller memory ([`Region::from_raw`],
+    /// [`Region::from_raw_device`]).
     pub fn is_borrowed(&self) -> bool {
         self.owned.is_none() && self.shm.is_none()
+    }
+
+    /// True when the region is device memory ([`Region::from_raw_device`]): the CPU never
+    /// reads or writes it.
+    pub fn is_device(&self) -> bool {
+        self.device
     }
 
     /// The virtual address of the first byte.
@@ -167,7 +238,7 @@ impl Region {
     /// Copies `[addr, addr + out.len())` into `out`, through raw pointers (no reference to the
     /// region's bytes is formed; bytes a peer writes meanwhile may arrive torn, old and new
     /// mixed).
-    pub fn copy_out(&self, addr: u64, out: &mut [u8]) -> Result<(), OutOfBounds> {
+    pub fn copy_out(&self, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
         let src = self.ptr_of(addr, out.len() as u64)?;
         // SAFETY: `src..src+len` lies inside the owned allocation (checked by `ptr_of`); `out` is
         // a distinct, exclusively borrowed buffer, so the ranges do not overlap. The region's
@@ -177,9 +248,9 @@ impl Region {
     }
 
     /// The bytes of `[addr, addr + len)` as a new vector (see [`Region::copy_out`]).
-    pub fn to_vec(&self, addr: u64, len: u64) -> Result<Vec<u8>, OutOfBounds> {
-        let n = usize::try_from(len).map_err(|_| self.oob(addr, len))?;
+    pub fn to_vec(&self, addr: u64, len: u64) -> Result<Vec<u8>, AccessError> {
         self.ptr_of(addr, len)?;
+        let n = usize::try_from(len).map_err(|_| self.oob(addr, len))?;
         let mut v = vec![0u8; n];
         self.copy_out(addr, &mut v)?;
         Ok(v)
@@ -187,7 +258,7 @@ impl Region {
 
     /// Copies `data` to `[addr, addr + data.len())`, through raw pointers (see
     /// [`Region::copy_out`]).
-    pub fn copy_in(&self, addr: u64, data: &[u8]) -> Result<(), OutOfBounds> {
+    pub fn copy_in(&self, addr: u64, data: &[u8]) -> Result<(), AccessError> {
         let dst = self.ptr_of(addr, data.len() as u64)?;
         // SAFETY: inside the owned allocation (checked); `data` is a shared borrow of other
         // memory, so no overlap; writing `UnsafeCell` bytes through a raw pointer is allowed.
@@ -196,7 +267,7 @@ impl Region {
     }
 
     /// Sets `[addr, addr + len)` to `byte`.
-    pub fn fill(&self, addr: u64, len: u64, byte: u8) -> Result<(), OutOfBounds> {
+    pub fn fill(&self, addr: u64, len: u64, byte: u8) -> Result<(), AccessError> {
         let dst = self.ptr_of(addr, len)?;
         // SAFETY: inside the owned allocation (checked by `ptr_of`, which also checked that
         // `len` fits a `usize`); raw-pointer writes to `UnsafeCell` bytes.
@@ -212,7 +283,7 @@ impl Region {
     /// and no peer through the data plane (the page-ownership contract: the range belongs to a
     /// room whose producer finished writing it, and it is not handed to a writer again until
     /// the slice is dropped).
-    pub unsafe fn view(&self, addr: u64, len: u64) -> Result<&[u8], OutOfBounds> {
+    pub unsafe fn view(&self, addr: u64, len: u64) -> Result<&[u8], AccessError> {
         let start = self.ptr_of(addr, len)?;
         // SAFETY: bounds-checked by `ptr_of`; `UnsafeCell<u8>` has the layout of `u8`; no writer
         // touches the range while the slice lives (the caller's contract above).
@@ -231,7 +302,7 @@ impl Region {
         addr: u64,
         len: u64,
         f: impl FnOnce(&mut [u8]) -> R,
-    ) -> Result<R, OutOfBounds> {
+    ) -> Result<R, AccessError> {
         let start = self.ptr_of(addr, len)?;
         // SAFETY: bounds-checked by `ptr_of`; interior mutability through `UnsafeCell`; exclusive
         // access to the range while `f` runs is the caller's contract above.
@@ -248,8 +319,18 @@ impl Region {
         }
     }
 
-    /// The raw pointer to `addr` once `[addr, addr + len)` is checked to lie in the region.
-    fn ptr_of(&self, addr: u64, len: u64) -> Result<*mut u8, OutOfBounds> {
+    /// The raw pointer to `addr` once `[addr, addr + len)` is checked to lie in the region and
+    /// the region is host memory (every CPU accessor goes through here: a device region is
+    /// refused before any pointer into it is formed).
+    fn ptr_of(&self, addr: u64, len: u64) -> Result<*mut u8, AccessError> {
+        if self.device {
+            return Err(AccessError::Device {
+                addr,
+                len,
+                base: self.base(),
+                size: self.len(),
+            });
+        }
         let off = self.offset_of(addr, len)?;
         usize::try_from(len).map_err(|_| self.oob(addr, len))?;
         // SAFETY: `off + len <= self.len` (checked by `offset_of`), so the pointer stays inside
@@ -281,6 +362,82 @@ mod tests {
         assert!(unsafe { Region::from_raw(u64::MAX - 4, 16) }.is_none());
     }
 
+    /// A `PROT_NONE` mapping standing in for device memory: any CPU read or write of it kills
+    /// the test process, so a passing test proves nothing touched it.
+    struct NoAccess {
+        addr: *mut libc::c_void,
+        len: usize,
+    }
+
+    impl NoAccess {
+        fn new(len: usize) -> NoAccess {
+            // SAFETY: an anonymous private mapping with no access rights; never dereferenced.
+            let addr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(addr, libc::MAP_FAILED, "mmap PROT_NONE");
+            NoAccess { addr, len }
+        }
+    }
+
+    impl Drop for NoAccess {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`, unmapped once.
+            unsafe { libc::munmap(self.addr, self.len) };
+        }
+    }
+
+    #[test]
+    fn device_regions_refuse_every_cpu_access_without_touching() {
+        let map = NoAccess::new(1 << 16);
+        let b = map.addr as u64;
+        // SAFETY: the mapping outlives the region; the region never touches it (the point of
+        // this test: a touch would fault).
+        let r = unsafe { Region::from_raw_device(b, map.len) }.unwrap();
+        assert!(r.is_device() && r.is_borrowed() && r.shm_region().is_none());
+        assert_eq!((r.base(), r.len()), (b, 1 << 16));
+        // Bounds still work without touching the memory.
+        assert!(r.contains(b + 4096, 4096));
+        assert!(!r.contains(b + (1 << 16) - 1, 2));
+        let device = |addr: u64, len: u64| AccessError::Device {
+            addr,
+            len,
+            base: b,
+            size: 1 << 16,
+        };
+        let mut out = [0u8; 8];
+        assert_eq!(r.copy_out(b, &mut out), Err(device(b, 8)));
+        assert_eq!(out, [0u8; 8]);
+        assert_eq!(r.to_vec(b + 8, 16), Err(device(b + 8, 16)));
+        assert_eq!(r.copy_in(b, b"kvx"), Err(device(b, 3)));
+        assert_eq!(r.fill(b, 4096, 0xff), Err(device(b, 4096)));
+        // Refused for device memory even when out of bounds or absurdly long (no pointer, no
+        // allocation is made first).
+        assert_eq!(r.to_vec(b, u64::MAX), Err(device(b, u64::MAX)));
+        // SAFETY: refused before any pointer is formed (what this test checks).
+        assert_eq!(unsafe { r.view(b, 64) }, Err(device(b, 64)));
+        let mut called = false;
+        // SAFETY: as above; `f` must never run.
+        let res = unsafe { r.with_mut(b, 64, |_| called = true) };
+        assert_eq!(res, Err(device(b, 64)));
+        assert!(!called);
+        let msg = device(b, 64).to_string();
+        assert!(msg.contains("device memory"), "{msg}");
+        // SAFETY: a null address is refused before any use.
+        assert!(unsafe { Region::from_raw_device(0, 16) }.is_none());
+        // SAFETY: a wrapping range is refused before any use.
+        assert!(unsafe { Region::from_raw_device(u64::MAX - 4, 16) }.is_none());
+        // Host regions are not device memory.
+        assert!(!Region::new(8).is_device());
+    }
+
     #[test]
     fn bounds_are_checked() {
         let r = Region::new(64);
@@ -290,7 +447,15 @@ mod tests {
         assert!(r.to_vec(b.wrapping_sub(1), 1).is_err());
         assert!(r.to_vec(u64::MAX, 2).is_err());
         assert!(r.copy_in(b + 60, &[0; 5]).is_err());
-        assert!(r.fill(b + 1, 64, 1).is_err());
+        assert_eq!(
+            r.fill(b + 1, 64, 1),
+            Err(AccessError::OutOfBounds(OutOfBounds {
+                addr: b + 1,
+                len: 64,
+                base: b,
+                size: 64
+            }))
+        );
         r.copy_in(b + 8, &7u64.to_le_bytes()).unwrap();
         assert_eq!(r.to_vec(b + 8, 8).unwrap(), 7u64.to_le_bytes());
         let mut out = [0u8; 8];

@@ -59,6 +59,8 @@ pub struct SyntheticModel {
 
 impl SyntheticModel {
     /// Writes the pattern of `room` into `pages` (its suffix pages, in order) and aux row `row`.
+    /// Host memory only: the CPU writes the pattern (a device KV region refuses the write and
+    /// its pages stay as they were).
     pub fn fill(&self, room: Room, pages: &[i32], row: u64) {
         let l = &self.layout;
         for b in 0..l.num_buffers {

@@ -169,6 +169,18 @@ pub enum TransportError {
         /// What came back instead.
         detail: String,
     },
+    /// Device (GPU) memory was offered to a backend whose CPU reads and writes registered
+    /// bytes (`tcp`, `mooncake`, `auto`, `local`): nothing was registered. Only `verbs`
+    /// registers device memory (see [`crate::Transport::register_device`]).
+    #[error(
+        "the {backend} backend cannot register device memory (its CPU reads and writes \
+         registered bytes); device memory needs the `verbs` backend (an RDMA NIC with \
+         GPUDirect RDMA)"
+    )]
+    DeviceMemoryUnsupported {
+        /// The backend that refused ([`crate::Transport::kind`]).
+        backend: &'static str,
+    },
 }
 
 impl TransportError {
@@ -188,6 +200,7 @@ impl TransportError {
             TransportError::Io { .. } => "io",
             TransportError::Closed => "closed",
             TransportError::WrongProtocol { .. } => "wrong_protocol",
+            TransportError::DeviceMemoryUnsupported { .. } => "device_memory_unsupported",
         }
     }
 

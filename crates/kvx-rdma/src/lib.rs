@@ -27,8 +27,10 @@
 //!
 //! ## What memory each backend accepts
 //!
-//! [`Transport::register`] takes a virtual address range of this process; what the range may be
-//! depends on who touches its bytes:
+//! [`Transport::register`] takes a virtual address range of host memory of this process;
+//! [`Transport::register_device`] one of device (GPU) memory, which the backend must never touch
+//! with the CPU. What a backend accepts depends on who moves the bytes
+//! ([`Transport::accepts_device_memory`] says whether device memory is among them):
 //!
 //! | backend | accepts | why |
 //! |---|---|---|
@@ -37,12 +39,17 @@
 //! | `auto` | host memory | `mooncake` or `tcp` per peer |
 //! | `local`, same process | host memory | plain `memcpy` between the two transports' registered ranges |
 //! | `local` across processes (`shm` in `kvx`) | receiver: a `/dev/shm` file ([`ShmRegion`], [`LocalTransport::register_shm`]); sender: host memory | the sender maps the receiver's files and copies into them |
-//! | `verbs` | host memory; device memory only with a GPUDirect-RDMA capable NIC | `ibv_reg_mr` pins the range and the NIC moves the bytes; a GPU pointer registers only where the kernel's peer-memory module resolves it (`nvidia-peermem`; kvx does not use dma-buf registration), which kvx does not check and has not been tested with |
+//! | `verbs` | host memory ([`Transport::register`]); device memory ([`Transport::register_device`]) with a GPUDirect-RDMA capable NIC | `ibv_reg_mr` pins the range and the NIC moves the bytes; a GPU pointer registers only where the kernel's peer-memory module resolves it (`nvidia-peermem`; kvx does not use dma-buf registration), else `ibv_reg_mr` fails with a registration error. Untested by kvx on such hardware |
 //!
 //! Host memory means ordinary pageable or pinned memory of this process (heap, `mmap`, a serving
-//! stack's host KV pool); on every backend but `verbs` the CPU moves the bytes, so a device
-//! pointer there is undefined behaviour, not an error. Registration never copies: the range is
-//! used in place until [`Transport::deregister`] returns.
+//! stack's host KV pool). On every backend but `verbs` the CPU moves the bytes:
+//! `register_device` refuses there with [`TransportError::DeviceMemoryUnsupported`] (naming the
+//! backend) without touching the range, and a device pointer given to `register` is undefined
+//! behaviour, not an error. On `verbs` nothing forms a CPU pointer into a device registration:
+//! the NIC reads it through the work requests' SGE lists, and a work request from it is never
+//! sent inline (the one CPU copy the backend makes). Every remote address is bounds-checked
+//! against a registered region, device or host, before a work request is built. Registration
+//! never copies: the range is used in place until [`Transport::deregister`] returns.
 //!
 //! A decode-side receiver and a prefill-side sender over the tcp backend:
 //!

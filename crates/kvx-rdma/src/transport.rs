@@ -46,6 +46,32 @@ pub trait Transport: Send + Sync + 'static {
     /// while it is registered; the caller must not rely on its contents while a peer may write.
     unsafe fn register(&self, addr: u64, len: u64) -> Result<RegionKey, TransportError>;
 
+    /// True when [`Transport::register_device`] can succeed on this backend: only `verbs`,
+    /// whose NIC moves the bytes (with GPUDirect RDMA). Every other backend reads and writes
+    /// registered bytes with the CPU.
+    fn accepts_device_memory(&self) -> bool {
+        false
+    }
+
+    /// Registers `[addr, addr + len)` of device (GPU) memory, as [`Transport::register`] does
+    /// host memory: the backend must never form a CPU pointer into it, read, write or zero it.
+    /// The default refuses with [`TransportError::DeviceMemoryUnsupported`] without touching
+    /// the range; `verbs` overrides it (`ibv_reg_mr` on the device pointer, which needs a
+    /// GPUDirect-RDMA capable NIC and the kernel's peer-memory module, `nvidia-peermem`).
+    /// Every remote address is still bounds-checked against the registered regions.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must be device memory of this process (a CUDA allocation, say) that
+    /// stays allocated until [`Transport::deregister`] returns and no batch that touches it is
+    /// still in flight; the NIC reads and writes it at any time while it is registered.
+    unsafe fn register_device(&self, addr: u64, len: u64) -> Result<RegionKey, TransportError> {
+        let _ = (addr, len);
+        Err(TransportError::DeviceMemoryUnsupported {
+            backend: self.kind(),
+        })
+    }
+
     /// Forgets a region: later writes naming its key are rejected.
     fn deregister(&self, key: RegionKey) -> Result<(), TransportError>;
 

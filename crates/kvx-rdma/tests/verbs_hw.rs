@@ -273,3 +273,56 @@ async fn verbs_peer_gone_mid_batch_fails_and_does_not_hang() {
         .expect("other peer still served");
     assert_eq!(&other_dst.mem[..], &p.src.mem[..1 << 20]);
 }
+
+/// Device memory reaches `ibv_reg_mr` on verbs (it is not refused as unsupported). Real GPU
+/// memory is not available to this test, so a `PROT_NONE` mapping stands in for it: what the
+/// NIC does with it is printed, and a transfer into GPU memory stays untested here.
+#[tokio::test]
+async fn verbs_takes_device_memory_to_ibv_reg_mr() {
+    let Some(dev) = device_or_skip("verbs_takes_device_memory_to_ibv_reg_mr") else {
+        return;
+    };
+    let t = VerbsTransport::client(VerbsConfig {
+        device: dev,
+        ..VerbsConfig::default()
+    })
+    .expect("open the device");
+    assert!(t.accepts_device_memory());
+    let len = 1usize << 20;
+    // SAFETY: an anonymous private mapping with no access rights; never dereferenced.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED, "mmap PROT_NONE");
+    // SAFETY: the mapping outlives the registration (deregistered or refused below, unmapped
+    // after); the verbs backend never touches device registrations from the CPU.
+    match unsafe { t.register_device(addr as u64, len as u64) } {
+        Ok(key) => {
+            eprintln!(
+                "verbs_takes_device_memory_to_ibv_reg_mr: the stand-in registered; no transfer \
+                 into GPU memory was tested (needs a CUDA allocation and nvidia-peermem)"
+            );
+            t.deregister(key).expect("deregister");
+        }
+        Err(e) => {
+            assert!(
+                !matches!(e, TransportError::DeviceMemoryUnsupported { .. }),
+                "{e}"
+            );
+            eprintln!(
+                "verbs_takes_device_memory_to_ibv_reg_mr: ibv_reg_mr refused the CPU-inaccessible \
+                 stand-in ({e}); a transfer into GPU memory needs a CUDA allocation and \
+                 nvidia-peermem and is untested here"
+            );
+        }
+    }
+    // SAFETY: the mapping made above, unmapped once, no longer registered.
+    unsafe { libc::munmap(addr, len) };
+}

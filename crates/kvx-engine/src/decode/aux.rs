@@ -24,9 +24,10 @@ pub enum AuxError {
         /// This decode's row length.
         want: u64,
     },
-    /// The row's range is outside the aux region.
+    /// The row's range is outside the aux region (or the aux region is device memory, which
+    /// the engines refuse at start).
     #[error(transparent)]
-    Bounds(#[from] crate::region::OutOfBounds),
+    Bounds(#[from] crate::region::AccessError),
 }
 
 impl Peer {

@@ -16,8 +16,9 @@
 //! `Released` event (or [`RoomHandle::wait_released`]). A successful room releases them at once
 //! (`Done` and `Released` together); a failed one only when nothing can land in them any more —
 //! an `ABORT`ed room once every prefill rank it went to returned its `ABORT_ACK` (sent only once
-//! its writes drained; the pages are then checked unchanged for a moment) or after
-//! `abort_release_timeout`, another failed room after a grace (sglang's deferred KV release).
+//! its writes drained; host pages are then checked unchanged for a moment, device pages are
+//! not — the CPU does not read them) or after `abort_release_timeout`, another failed room after
+//! a grace (sglang's deferred KV release).
 //! Dropping a room's [`RoomHandle`] before the room is terminal fails it locally: `ABORT` to its
 //! prefill ranks, pages held as above. The protocol itself is the `kvx decode` peer's
 //! (`Peer::drive_room`, `Peer::settle_room`): the same messages, byte for byte.
@@ -254,6 +255,15 @@ impl DecodeEngine {
                 l.aux_bytes()
             );
         }
+        // A typed error (`MemoryError`, reachable with `downcast_ref`) before anything is bound.
+        crate::memory::check(
+            &mem.kv,
+            &mem.aux,
+            cfg.staging
+                .is_some()
+                .then_some("DecodeEngineConfig::staging"),
+            crate::memory::DECODE_AUX,
+        )?;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let name = cfg.name.clone().unwrap_or_else(|| {
             format!(
@@ -488,7 +498,8 @@ pub struct DecodeStats {
     pub aborted_rooms: u64,
     /// Of those, rooms every prefill rank acknowledged before the release timeout.
     pub abort_acked_rooms: u64,
-    /// Writes seen in an acknowledged room's pages after its last `ABORT_ACK`.
+    /// Writes seen in an acknowledged room's pages after its last `ABORT_ACK` (always 0 with a
+    /// device KV pool, whose pages the CPU does not read).
     pub late_writes: u64,
     /// Staged chunks scattered from the staging ring into rooms' pages.
     pub staged_chunks: u64,

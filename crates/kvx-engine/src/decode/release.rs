@@ -2,8 +2,11 @@
 //! checkable). A room this decode ABORTed keeps its pages until every prefill rank the `ABORT`
 //! went to returned a ranked `ABORT_ACK` — a kvx prefill sends it only once nothing of the room
 //! is in flight — or until the release timeout; then the pages must stay unchanged for
-//! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. A room that failed without an
-//! `ABORT` (the prefill reported it, or the prefill is gone) keeps its pages for [`FAILED_GRACE`].
+//! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. With a device KV pool
+//! ([`crate::region::Region::from_raw_device`]) that check is skipped — the CPU cannot read the
+//! pages — and the release rests on the `ABORT_ACK`s and the release timeout alone (no late write
+//! is ever counted). A room that failed without an `ABORT` (the prefill reported it, or the
+//! prefill is gone) keeps its pages for [`FAILED_GRACE`].
 //!
 //! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
 //! generation counts only when it is the room's current one (a late ACK of an earlier abort of a
@@ -104,6 +107,12 @@ impl Peer {
             return false;
         }
         self.abort_acked_rooms.fetch_add(1, Ordering::Relaxed);
+        if self.kv.is_device() {
+            // The CPU cannot read device pages: the check is skipped, and the release rests on
+            // the ABORT_ACKs (and the release timeout) alone.
+            tracing::debug!(%room, "device KV pool: late-write check skipped");
+            return true;
+        }
         let digest = |p: Arc<Peer>, pages: Vec<i32>| {
             tokio::task::spawn_blocking(move || p.pages_digest(&pages))
         };

@@ -10,7 +10,7 @@
 //! sideway panics on a few values it does not know (MTU, link layer); this module reads those
 //! fields raw and validates them itself, so nothing a device reports can panic the process.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 
 use sideway::ibverbs::AccessFlags;
@@ -130,6 +130,9 @@ pub struct VerbsDevice {
     mrs: Mutex<HashMap<u64, Arc<MemoryRegion>>>,
     lkeys: RwLock<RegionTable>,
     rkeys: RwLock<RegionTable>,
+    /// The lkeys of device-memory registrations ([`VerbsDevice::register_device`]): their
+    /// ranges are never sent inline (an inline payload is copied by the CPU).
+    device_lkeys: RwLock<HashSet<u32>>,
 }
 
 impl std::fmt::Debug for VerbsDevice {
@@ -211,6 +214,7 @@ impl VerbsDevice {
             mrs: Mutex::new(HashMap::new()),
             lkeys: RwLock::new(RegionTable::new()),
             rkeys: RwLock::new(RegionTable::new()),
+            device_lkeys: RwLock::new(HashSet::new()),
         }))
     }
 
@@ -247,6 +251,39 @@ impl VerbsDevice {
     /// [`VerbsDevice::deregister`] returns and no work request touching it is in flight; the
     /// NIC reads and writes it at any time while it is registered.
     pub unsafe fn register(&self, addr: u64, len: u64) -> Result<(u32, u32), VerbsError> {
+        // SAFETY: forwarded contract (host memory the caller keeps mapped).
+        unsafe { self.register_range(addr, len, false) }
+    }
+
+    /// Registers `[addr, addr + len)` of device (GPU) memory for local reads and remote writes,
+    /// as [`VerbsDevice::register`] does host memory; returns `(lkey, rkey)`. `ibv_reg_mr`
+    /// resolves a GPU pointer only with a GPUDirect-RDMA capable NIC and the kernel's
+    /// peer-memory module (`nvidia-peermem`); elsewhere it fails and the error names
+    /// `ibv_reg_mr`. Untested by kvx (no such hardware in its CI).
+    ///
+    /// # Safety
+    ///
+    /// The range must be device memory of this process that stays allocated until
+    /// [`VerbsDevice::deregister`] returns and no work request touching it is in flight.
+    pub unsafe fn register_device(&self, addr: u64, len: u64) -> Result<(u32, u32), VerbsError> {
+        // SAFETY: forwarded contract (device memory the caller keeps allocated).
+        unsafe { self.register_range(addr, len, true) }
+    }
+
+    /// The lkeys of the device-memory registrations (never inlined, see [`crate::verbs::post`]).
+    pub fn device_lkeys(&self) -> Vec<u32> {
+        read(&self.device_lkeys).iter().copied().collect()
+    }
+
+    /// # Safety
+    ///
+    /// See [`VerbsDevice::register`] (`device` false) and [`VerbsDevice::register_device`].
+    unsafe fn register_range(
+        &self,
+        addr: u64,
+        len: u64,
+        device: bool,
+    ) -> Result<(u32, u32), VerbsError> {
         if addr == 0 || len == 0 || addr.checked_add(len).is_none() || len > self.caps.max_mr_size {
             return Err(VerbsError::BadRegions(
                 "null, empty, overflowing or oversized region",
@@ -269,8 +306,11 @@ impl VerbsDevice {
         let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
         let len_usize =
             usize::try_from(len).map_err(|_| VerbsError::BadRegions("region too long"))?;
-        // SAFETY: the caller guarantees the range is mapped process memory that outlives the
-        // registration (see this function's contract); ibv_reg_mr only pins and maps it.
+        // SAFETY: the caller guarantees the range is memory of this process (host memory, or
+        // device memory when `device`) that outlives the registration (see the contracts of
+        // `register` and `register_device`); ibv_reg_mr only pins it and maps it for the NIC
+        // (a device range through the kernel's peer-memory module): it forms no CPU pointer
+        // into the range and never reads, writes or zeroes it.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len_usize, access) }
             .map_err(|e| VerbsError::verbs("ibv_reg_mr", e))?;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
@@ -288,6 +328,9 @@ impl VerbsDevice {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(addr, mr);
+        if device {
+            write(&self.device_lkeys).insert(lkey);
+        }
         Ok((lkey, rkey))
     }
 
@@ -303,7 +346,9 @@ impl VerbsDevice {
                 "no region registered at this address",
             ));
         }
-        write(&self.lkeys).remove(addr);
+        if let Some(r) = write(&self.lkeys).remove(addr) {
+            write(&self.device_lkeys).remove(&r.key);
+        }
         write(&self.rkeys).remove(addr);
         Ok(())
     }
@@ -319,11 +364,11 @@ impl VerbsDevice {
     }
 }
 
-fn read(l: &RwLock<RegionTable>) -> std::sync::RwLockReadGuard<'_, RegionTable> {
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(|p| p.into_inner())
 }
 
-fn write(l: &RwLock<RegionTable>) -> std::sync::RwLockWriteGuard<'_, RegionTable> {
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -250,6 +250,31 @@ impl Transport for VerbsTransport {
         Ok(RegionKey(rkey))
     }
 
+    fn accepts_device_memory(&self) -> bool {
+        true
+    }
+
+    unsafe fn register_device(&self, addr: u64, len: u64) -> Result<RegionKey, TransportError> {
+        // SAFETY: forwarded contract: the caller keeps the device range allocated while it is
+        // registered. Nothing in the verbs path forms a CPU pointer into a device range, reads,
+        // writes or zeroes it: registration hands the address to ibv_reg_mr (pinned and mapped
+        // through the peer-memory module), work requests carry it in SGEs for the NIC's DMA, and
+        // the one CPU copy of the backend, an inline payload in `post`, is never used for a
+        // device lkey (`WritePlan::no_inline_from`). The receiving side is passive (RDMA WRITE
+        // lands without the CPU). Ranges are bounds-checked against the lkey/rkey tables as for
+        // host memory.
+        let (_lkey, rkey) = unsafe { self.dev.register_device(addr, len) }.map_err(|e| {
+            TransportError::Registration {
+                addr,
+                len,
+                detail: format!(
+                    "device memory: {e} (needs a GPUDirect-RDMA capable NIC and nvidia-peermem)"
+                ),
+            }
+        })?;
+        Ok(RegionKey(rkey))
+    }
+
     fn deregister(&self, key: RegionKey) -> Result<(), TransportError> {
         let base = self
             .dev

@@ -44,11 +44,22 @@ pub trait SendPath: Send + 'static {
 pub trait LocalKeys: Send + Sync + 'static {
     /// The locally registered regions with their lkeys.
     fn local_regions(&self) -> RegionTable;
+
+    /// The lkeys of regions in device memory, whose bytes the CPU must never touch: a work
+    /// request reading from them is never sent inline ([`WritePlan::no_inline_from`]). None by
+    /// default.
+    fn device_lkeys(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 impl LocalKeys for VerbsDevice {
     fn local_regions(&self) -> RegionTable {
         VerbsDevice::local_regions(self)
+    }
+
+    fn device_lkeys(&self) -> Vec<u32> {
+        VerbsDevice::device_lkeys(self)
     }
 }
 

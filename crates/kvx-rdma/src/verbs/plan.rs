@@ -101,6 +101,28 @@ impl WritePlan {
     pub fn total_bytes(&self) -> u64 {
         self.wrs.iter().map(|w| u64::from(w.len)).sum()
     }
+
+    /// Clears the inline flag of every work request with an SGE under one of `lkeys` (device
+    /// memory registrations): an inline payload is copied from its source by the CPU when the
+    /// work request is built, and the CPU must never touch device memory. The NIC then reads
+    /// those sources itself (DMA through the SGE list).
+    pub fn no_inline_from(&mut self, lkeys: &[u32]) {
+        if lkeys.is_empty() {
+            return;
+        }
+        let sges = &self.sges;
+        for wr in self.wrs.iter_mut().filter(|w| w.inline) {
+            let start = wr.sge_start as usize;
+            let from_device = sges
+                .get(start..start + wr.sge_count as usize)
+                .unwrap_or(&[])
+                .iter()
+                .any(|s| lkeys.contains(&s.lkey));
+            if from_device {
+                wr.inline = false;
+            }
+        }
+    }
 }
 
 /// Plans `ops` into RDMA WRITE work requests.
@@ -235,6 +257,33 @@ mod tests {
         ])
         .unwrap();
         (local, remote)
+    }
+
+    #[test]
+    fn device_sources_are_never_inlined() {
+        let (l, r) = tables();
+        // One small op from each local region (lkeys 11 and 12), both short enough to inline.
+        let ops = vec![
+            TransferOp::new(0x10_0000, 0x100_0000, 32),
+            TransferOp::new(0x20_0000, 0x110_0000, 32),
+        ];
+        let limits = Limits {
+            max_inline: 64,
+            ..Limits::default()
+        };
+        let mut p = plan_writes(&ops, &l, &r, limits).unwrap();
+        assert_eq!(
+            p.wrs.iter().map(|w| w.inline).collect::<Vec<_>>(),
+            [true, true]
+        );
+        p.no_inline_from(&[]);
+        assert!(p.wrs.iter().all(|w| w.inline));
+        // Region 12 is device memory: its work request goes through the SGE list (NIC DMA).
+        p.no_inline_from(&[12]);
+        assert_eq!(
+            p.wrs.iter().map(|w| w.inline).collect::<Vec<_>>(),
+            [true, false]
+        );
     }
 
     #[test]

@@ -68,7 +68,11 @@ pub fn post_chain<'p>(
                     // SAFETY: every SGE range was resolved inside a registered local region
                     // (plan_writes checks each source against the lkey table); registration
                     // keeps it mapped, and the bytes are only copied into the work queue entry
-                    // during this call.
+                    // during this call. It is host memory: a work request reading from a
+                    // device-memory registration is never inline (the session clears the flag
+                    // with `WritePlan::no_inline_from` before posting), so this is the only CPU
+                    // pointer the verbs backend forms into registered memory and it never
+                    // points into device memory.
                     IoSlice::new(unsafe {
                         std::slice::from_raw_parts(s.addr as usize as *const u8, s.len as usize)
                     })

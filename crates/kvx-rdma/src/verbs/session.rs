@@ -190,7 +190,13 @@ impl Session for VerbsSession {
         ops: Vec<TransferOp>,
     ) -> BoxFuture<'static, Result<BatchReport, TransportError>> {
         let peer = self.peer.clone();
-        let planned = plan_writes(&ops, &self.local.local_regions(), &self.remote, self.limits);
+        let mut planned = plan_writes(&ops, &self.local.local_regions(), &self.remote, self.limits);
+        if self.limits.max_inline > 0
+            && let Ok(plan) = &mut planned
+        {
+            // Device-memory sources are read by the NIC only, never copied inline by the CPU.
+            plan.no_inline_from(&self.local.device_lkeys());
+        }
         let n_ops = ops.len() as u64;
         let plan = match planned {
             Ok(plan) => plan,

@@ -32,6 +32,8 @@ struct SimNic {
     broken: Vec<bool>,
     fail_posts_on: Option<usize>,
     posts: Arc<AtomicUsize>,
+    /// Work requests posted inline.
+    inlined: Arc<AtomicUsize>,
 }
 
 impl SimNic {
@@ -44,6 +46,7 @@ impl SimNic {
             broken: vec![false; qps],
             fail_posts_on: None,
             posts: Arc::new(AtomicUsize::new(0)),
+            inlined: Arc::new(AtomicUsize::new(0)),
         }
     }
 }
@@ -77,6 +80,9 @@ impl SendPath for SimNic {
             }
             let plan = plan_of(item.batch).ok_or(VerbsError::Closed)?;
             let wr = plan.wrs[item.wr as usize];
+            if wr.inline {
+                self.inlined.fetch_add(1, Ordering::Relaxed);
+            }
             if wr.rkey == BAD_KEY {
                 self.broken[post.qp] = true;
                 let _ = self.tx.send(wc(10));
@@ -112,11 +118,16 @@ impl SendPath for SimNic {
     }
 }
 
-struct Keys(RegionTable);
+/// The local regions, and whether the source region counts as device memory.
+struct Keys(RegionTable, bool);
 
 impl LocalKeys for Keys {
     fn local_regions(&self) -> RegionTable {
         self.0.clone()
+    }
+
+    fn device_lkeys(&self) -> Vec<u32> {
+        if self.1 { vec![SRC_KEY] } else { Vec::new() }
     }
 }
 
@@ -132,6 +143,18 @@ struct Fixture {
 const LEN: usize = 1 << 20;
 
 async fn fixture<P: SendPath>(nic: P, posts: Arc<AtomicUsize>, sched: SchedConfig) -> Fixture {
+    fixture_with(nic, posts, sched, 0, false).await
+}
+
+/// A fixture whose queue pairs inline up to `max_inline` bytes; `device`: the source region is
+/// registered as device memory.
+async fn fixture_with<P: SendPath>(
+    nic: P,
+    posts: Arc<AtomicUsize>,
+    sched: SchedConfig,
+    max_inline: u32,
+    device: bool,
+) -> Fixture {
     let src: Vec<u8> = (0..LEN).map(|i| (i * 7 % 253) as u8).collect();
     let dst = vec![0u8; LEN];
     let bad = vec![0u8; 4096];
@@ -167,13 +190,13 @@ async fn fixture<P: SendPath>(nic: P, posts: Arc<AtomicUsize>, sched: SchedConfi
         nic,
         SessionParts {
             peer: "sim".into(),
-            local: Arc::new(Keys(local)),
+            local: Arc::new(Keys(local, device)),
             ctrl,
             remote,
             remote_desc,
             limits: Limits {
                 max_sge: 4,
-                max_inline: 0,
+                max_inline,
                 max_wr_bytes: 64 << 10,
             },
             sched,
@@ -250,6 +273,32 @@ async fn concurrent_batches_land_byte_exact() {
     f.session.write_batch(bulk.clone()).await.unwrap();
     verify(&f, &bulk);
     assert!(f.session.is_alive());
+}
+
+#[tokio::test]
+async fn device_memory_sources_are_never_inlined() {
+    // Small writes from a host source go inline; from a device source, through the SGE list.
+    for (device, want_inline) in [(false, true), (true, false)] {
+        let nic = SimNic::new(1);
+        let (posts, inlined) = (nic.posts.clone(), nic.inlined.clone());
+        let f = fixture_with(nic, posts, small_sched(), 256, device).await;
+        let ops: Vec<_> = (0..4)
+            .map(|i| {
+                TransferOp::new(
+                    f.src.as_ptr() as u64 + i * 4096,
+                    f.dst.as_ptr() as u64 + i * 4096,
+                    64,
+                )
+            })
+            .collect();
+        f.session.write_batch(ops.clone()).await.unwrap();
+        verify(&f, &ops);
+        assert_eq!(
+            inlined.load(Ordering::Relaxed) > 0,
+            want_inline,
+            "device {device}"
+        );
+    }
 }
 
 #[tokio::test]
