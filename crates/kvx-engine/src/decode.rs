@@ -121,6 +121,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Peer {
     fn finish(&self, room: Room, outcome: Outcome) {
+        crate::timeline::stage!(room, "concluded");
         if let Some(tx) = lock(&self.waiters).remove(&room) {
             let _ = tx.send(outcome);
         }
@@ -211,6 +212,7 @@ impl Peer {
                 rank,
                 reason,
             }) => {
+                crate::timeline::stage!(room, "status_received");
                 let event = DecodeEvent::Status {
                     room,
                     status,

@@ -5,8 +5,9 @@
 //! embedder calls, worker reports and its own deadlines — feeds them to `kvx-core`'s
 //! [`kvx_core::prefill::PrefillManager`] (the deterministic room state machine and planner) and
 //! performs the actions in the order produced. Transfer workers ([`crate::worker`]) only execute
-//! batches and report back; status and `ABORT_ACK` messages go out, in order, from one notifier
-//! thread that never blocks the loop. The embedder's [`PrefillEngine::poll`] reads a status view
+//! batches and report back; status and `ABORT_ACK` messages go out, in order, from the loop itself
+//! through its notifier (PUSH sockets whose sends never block: a full decode inbox gets its
+//! messages held and retried from the loop's deadlines). The embedder's [`PrefillEngine::poll`] reads a status view
 //! the loop keeps, without a round trip. Towards a decode of another attention-TP size that advertises a
 //! staging ring, and with [`PrefillConfig::staging`] on, chunks travel through the decode's ring
 //! instead (see [`crate::prefill_staging`]). An embedding
@@ -103,8 +104,7 @@ mod notifier;
 mod owner;
 mod staging;
 
-pub(crate) use notifier::Notice;
-use notifier::notifier;
+use notifier::Notifier;
 use owner::{Call, Input, Owner, Parts, View};
 
 /// Settings of one prefill rank.
@@ -346,8 +346,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl PrefillEngine {
-    /// Registers the memory with the data plane, binds the inbox, starts the loop, the workers,
-    /// the notifier and the inbox thread. Transfers run on the runtime behind `rt`.
+    /// Registers the memory with the data plane, binds the inbox, starts the loop, the workers
+    /// and the inbox thread. Transfers run on the runtime behind `rt`.
     pub fn start(
         cfg: PrefillConfig,
         mem: PrefillMemory,
@@ -426,7 +426,6 @@ impl PrefillEngine {
             StagingDriver::new(shape, grid, cfg.staging_wait_timeout)
         });
 
-        let (notice_tx, notice_rx) = std::sync::mpsc::channel();
         let (events_tx, events_rx) = std::sync::mpsc::channel();
         let (fatal_tx, fatal_rx) = std::sync::mpsc::channel();
         let (inputs_tx, inputs_rx) = std::sync::mpsc::sync_channel(INPUT_QUEUE);
@@ -456,16 +455,12 @@ impl PrefillEngine {
             job_queues: queues.clone(),
             workers: workers.clone(),
             inputs: inputs_tx.clone(),
-            notices: notice_tx,
+            notifier: Notifier::new(&ctx),
             events: cfg.events.then_some(events_tx),
             fatal_tx,
             view: view.clone(),
             stop: stop.clone(),
         });
-        let notifier_ctx = ctx.clone();
-        std::thread::Builder::new()
-            .name("kvx-notifier".into())
-            .spawn(move || notifier(notifier_ctx, notice_rx))?;
         for (shard, q) in queues.into_iter().enumerate() {
             worker::spawn_worker(workers.clone(), shard, q, inputs_tx.clone())?;
         }
@@ -549,6 +544,9 @@ impl PrefillEngine {
     /// Hands over a finished chunk; its writes are planned and queued (chunks of a room are
     /// written in order, on one queue).
     pub fn send(&self, room: Room, chunk: Chunk) -> Result<(), PrefillError> {
+        if chunk.is_last {
+            crate::timeline::stage!(room, "send");
+        }
         self.call(|reply| Call::Send { room, chunk, reply })
             .unwrap_or(Err(PrefillError::UnknownRoom(room)))
     }

@@ -9,7 +9,7 @@
 //! and feed what happens to the managers. The `kvx` binary (crate `kvx-cli`) is one user of this
 //! crate among others.
 //!
-//! - [`engine`]: the prefill rank — one owner loop, transfer [`worker`]s, the status notifier,
+//! - [`engine`]: the prefill rank — one owner loop (which also sends the statuses), transfer [`worker`]s,
 //!   heterogeneous-TP staging through the decode's ring ([`prefill_staging`]); the contract for
 //!   caller-owned memory is in its module docs.
 //! - [`decode`]: the decode rank — bootstrap resolution, registration per prefill rank, metadata
@@ -94,5 +94,6 @@ pub mod plane;
 pub mod prefill_staging;
 pub mod region;
 pub mod synthetic;
+pub mod timeline;
 pub mod wire;
 pub mod worker;

@@ -262,6 +262,7 @@ fn execute(
         return Ok(Outcome::Skipped);
     }
     let (room, session) = (job.room, &job.session);
+    crate::timeline::stage!(room, "worker");
     if ctx.is_dead(session) {
         sessions.remove(session);
         metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
@@ -316,6 +317,7 @@ fn execute(
     let t0 = Instant::now();
     match ctx.rt.block_on(s.write_batch(ops)) {
         Ok(report) => {
+            crate::timeline::stage!(room, "written");
             metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
             metrics::counter!("kvx_transfer_batches_total").increment(1);
             metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);

@@ -590,6 +590,7 @@ impl Inner {
             slot.phase
                 .send_modify(|p| p.outcome = Some((status, reason.clone())));
         }
+        crate::timeline::stage!(room, "done");
         self.emit(DecodeEngineEvent::Done {
             room,
             status,

@@ -1,26 +1,19 @@
-//! The notifier: the one thread of a prefill rank that sends on ZMQ toward decodes (status,
-//! `ABORT_ACK`, `AUX_DATA`, `STAGING_REQ`, `CHUNK_READY`), in the order the engine queued them,
-//! through one cache of PUSH sockets; a send never blocks a transfer worker. A decode whose
-//! inbox is full gets its messages held, in order, and retried on the same socket (nothing sent
-//! later overtakes them); after 30 s without progress, or 65 536 held messages, they are dropped,
-//! counted in `kvx_notice_failures_total` and logged.
+//! The notifier: how a prefill rank sends on ZMQ toward decodes (status, `ABORT_ACK`,
+//! `AUX_DATA`, `STAGING_REQ`, `CHUNK_READY`), in the order the engine's loop queued them, through
+//! one cache of PUSH sockets. It is the loop's own state, not a thread: its sends never block (a
+//! zero send timeout), so the loop hands a status to ZMQ itself, without a thread hop. A decode
+//! whose inbox is full gets its messages held, in order, and retried on the same socket (nothing
+//! sent later overtakes them) every [`RETRY`] from the loop's deadlines; after 30 s without
+//! progress, or 65 536 held messages, they are dropped, counted in `kvx_notice_failures_total`
+//! and logged.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::{PushCache, PushOptions, zmq};
 use kvx_core::Endpoint;
 
 use crate::wire::Frames;
-
-/// What the notifier is asked to do.
-pub(crate) enum Notice {
-    /// Send a message to a decode inbox.
-    Send(Endpoint, Frames),
-    /// Report once every earlier notice went out.
-    Flush(Sender<()>),
-}
 
 /// Sockets toward decodes idle this long are closed (a departed decode leaves nothing behind).
 const SOCKET_IDLE: Duration = Duration::from_secs(2);
@@ -32,7 +25,7 @@ const HOLD_LIMIT: Duration = Duration::from_secs(30);
 /// Most messages held for one decode; beyond it the backlog is dropped (counted, logged).
 const HOLD_MAX: usize = 1 << 16;
 /// How often held messages are retried.
-const RETRY: Duration = Duration::from_millis(2);
+pub(crate) const RETRY: Duration = Duration::from_millis(2);
 
 /// Options of the notifier's sockets: sglang's prefill-to-decode options (no reconnect, keepalive,
 /// disconnect monitor), except that a send never waits — a message a decode cannot take right
@@ -52,16 +45,42 @@ struct Held {
     since: Instant,
 }
 
-/// The notifier's state: the socket cache and what is held per decode.
-struct Outgoing {
+/// The notifier's state: the socket cache, what is held per decode, when each socket was last
+/// used.
+pub(crate) struct Notifier {
     cache: PushCache,
     held: HashMap<Endpoint, Held>,
-    flushes: Vec<Sender<()>>,
+    used: HashMap<Endpoint, Instant>,
+    /// When held messages are next retried (`None` while nothing is held).
+    next_retry: Option<Instant>,
 }
 
-impl Outgoing {
+impl Notifier {
+    /// A notifier with no socket open yet (they are opened, in the calling thread, on first use).
+    pub(crate) fn new(ctx: &zmq::Context) -> Self {
+        Notifier {
+            cache: PushCache::new(ctx, notifier_options(), NOTIFIER_SOCKETS),
+            held: HashMap::new(),
+            used: HashMap::new(),
+            next_retry: None,
+        }
+    }
+
+    /// When [`Notifier::retry`] is next due (`None` while nothing is held).
+    pub(crate) fn retry_due(&self) -> Option<Instant> {
+        self.next_retry
+    }
+
     /// Sends `frames` to `ep` after whatever is held for it; holds it when the inbox is full.
-    fn send(&mut self, ep: Endpoint, frames: Frames) {
+    pub(crate) fn send(&mut self, ep: Endpoint, frames: Frames) {
+        self.used.insert(ep.clone(), Instant::now());
+        self.enqueue(ep, frames);
+        if !self.held.is_empty() && self.next_retry.is_none() {
+            self.next_retry = Some(Instant::now() + RETRY);
+        }
+    }
+
+    fn enqueue(&mut self, ep: Endpoint, frames: Frames) {
         if let Some(h) = self.held.get_mut(&ep) {
             if h.queue.len() >= HOLD_MAX {
                 let lost = h.queue.len() + 1;
@@ -92,7 +111,7 @@ impl Outgoing {
     }
 
     /// Retries every held message in order; gives up on decodes past [`HOLD_LIMIT`].
-    fn retry(&mut self) {
+    pub(crate) fn retry(&mut self) {
         let eps: Vec<Endpoint> = self.held.keys().cloned().collect();
         for ep in eps {
             let Some(mut h) = self.held.remove(&ep) else {
@@ -122,68 +141,39 @@ impl Outgoing {
                 self.held.insert(ep, h);
             }
         }
-        if self.held.is_empty() {
-            for f in self.flushes.drain(..) {
-                let _ = f.send(());
+        self.next_retry = (!self.held.is_empty()).then(|| Instant::now() + RETRY);
+    }
+
+    /// Retries until nothing is held or `timeout` passed; true when nothing is held.
+    pub(crate) fn flush(&mut self, timeout: Duration) -> bool {
+        let until = Instant::now() + timeout;
+        while !self.held.is_empty() && Instant::now() < until {
+            self.retry();
+            if !self.held.is_empty() {
+                std::thread::sleep(RETRY);
             }
         }
+        self.held.is_empty()
+    }
+
+    /// Closes sockets idle for [`SOCKET_IDLE`] (unless messages are held for them) and those
+    /// whose decode disconnected.
+    pub(crate) fn housekeeping(&mut self) {
+        let (cache, held) = (&mut self.cache, &self.held);
+        self.used.retain(|ep, t| {
+            let keep = t.elapsed() < SOCKET_IDLE || held.contains_key(ep);
+            if !keep {
+                cache.disconnect(ep);
+            }
+            keep
+        });
+        self.cache.reap_disconnected();
     }
 
     fn give_up(&mut self, ep: &Endpoint, lost: usize, why: &str) {
         metrics::counter!("kvx_notice_failures_total").increment(lost as u64);
         tracing::warn!(%ep, lost, why, "messages to a decode dropped");
         self.cache.disconnect(ep);
-    }
-}
-
-/// Sends every notice in order through one PUSH socket cache (per decode in order, held while
-/// its inbox is full); closes sockets idle for [`SOCKET_IDLE`] and those whose decode
-/// disconnected.
-pub(super) fn notifier(ctx: zmq::Context, rx: Receiver<Notice>) {
-    let mut s = Outgoing {
-        cache: PushCache::new(&ctx, notifier_options(), NOTIFIER_SOCKETS),
-        held: HashMap::new(),
-        flushes: Vec::new(),
-    };
-    let mut used: HashMap<Endpoint, Instant> = HashMap::new();
-    loop {
-        let wait = if s.held.is_empty() {
-            Duration::from_millis(500)
-        } else {
-            RETRY
-        };
-        let n = match rx.recv_timeout(wait) {
-            Ok(n) => n,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                s.retry();
-                used.retain(|ep, t| {
-                    let keep = t.elapsed() < SOCKET_IDLE || s.held.contains_key(ep);
-                    if !keep {
-                        s.cache.disconnect(ep);
-                    }
-                    keep
-                });
-                s.cache.reap_disconnected();
-                continue;
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-        };
-        match n {
-            Notice::Flush(done) => {
-                if s.held.is_empty() {
-                    let _ = done.send(());
-                } else {
-                    s.flushes.push(done);
-                }
-            }
-            Notice::Send(ep, frames) => {
-                used.insert(ep.clone(), Instant::now());
-                s.send(ep, frames);
-            }
-        }
-        if !s.held.is_empty() {
-            s.retry();
-        }
     }
 }
 
@@ -205,27 +195,27 @@ mod tests {
         let addr = pull.get_last_endpoint().unwrap().unwrap();
         let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
         let ep = Endpoint::new("127.0.0.1", port);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let thread = {
-            let ctx = ctx.clone();
-            std::thread::spawn(move || notifier(ctx, rx))
-        };
         const N: u32 = 20_000;
-        for i in 0..N {
-            let frames = vec![b"SEQ".to_vec(), i.to_le_bytes().to_vec()];
-            tx.send(Notice::Send(ep.clone(), frames)).unwrap();
-        }
-        // The decode is busy for a while, then reads everything.
-        std::thread::sleep(Duration::from_millis(300));
-        let (done_tx, done_rx) = std::sync::mpsc::channel();
-        tx.send(Notice::Flush(done_tx)).unwrap();
+        let sender = {
+            let (ctx, ep) = (ctx.clone(), ep.clone());
+            std::thread::spawn(move || {
+                let mut n = Notifier::new(&ctx);
+                for i in 0..N {
+                    n.send(ep.clone(), vec![b"SEQ".to_vec(), i.to_le_bytes().to_vec()]);
+                }
+                assert!(n.retry_due().is_some(), "a burst above the HWMs is held");
+                // The decode is busy for a while, then reads everything.
+                std::thread::sleep(Duration::from_millis(300));
+                assert!(n.flush(Duration::from_secs(5)), "held messages left");
+                n
+            })
+        };
         pull.set_rcvtimeo(5000).unwrap();
         for i in 0..N {
             let m = pull.recv_multipart(0).unwrap();
             assert_eq!(m[1], i.to_le_bytes(), "message {i} lost or out of order");
         }
-        done_rx.recv_timeout(Duration::from_secs(5)).unwrap();
-        drop(tx);
-        thread.join().unwrap();
+        let n = sender.join().unwrap();
+        assert!(n.retry_due().is_none());
     }
 }

@@ -2,8 +2,8 @@
 //! decode messages, embedder calls, worker reports — and its own deadlines, feeds them to the
 //! [`PrefillManager`] (and the staging driver) and performs their actions in the order produced.
 //!
-//! Nothing else touches the manager, so action order is structural: a status is queued to the
-//! notifier after the `CHUNK_READY` and `AUX_DATA` that precede it, a batch is queued to its
+//! Nothing else touches the manager, so action order is structural: a status goes to the
+//! notifier (the loop's own ZMQ sends) after the `CHUNK_READY` and `AUX_DATA` that precede it, a batch is queued to its
 //! worker in plan order, and a room's pages are released (`EngineEvent::Released`) only once the
 //! manager dropped the room — terminal, drained, known to its sender. Workers learn that a room
 //! failed through its cancel flag and skip its queued jobs. Time reaches the manager as
@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use kvx_core::prefill::{PrefillAction, PrefillError, PrefillEvent, PrefillManager};
 use kvx_core::{Chunk, KVPoll, Room, SessionId};
 
-use super::{EngineEvent, Notice, PrefillConfig, PrefillMemory};
+use super::notifier::Notifier;
+use super::{EngineEvent, PrefillConfig, PrefillMemory};
 use crate::fault::TransferThreadFailed;
 use crate::prefill_staging::StagingDriver;
 use crate::wire::{self, PrefillInbound};
@@ -126,7 +127,7 @@ pub(crate) struct Parts {
     pub job_queues: Vec<JobQueue>,
     pub workers: Arc<WorkerCtx>,
     pub inputs: SyncSender<Input>,
-    pub notices: Sender<Notice>,
+    pub notifier: Notifier,
     pub events: Option<Sender<EngineEvent>>,
     pub fatal_tx: Sender<Arc<TransferThreadFailed>>,
     pub view: Arc<View>,
@@ -151,7 +152,8 @@ pub(crate) struct Owner {
     dead_shards: HashSet<usize>,
     pub(super) workers: Arc<WorkerCtx>,
     pub(super) inputs: SyncSender<Input>,
-    notices: Sender<Notice>,
+    /// The ZMQ sends toward decodes (status, `ABORT_ACK`, `AUX_DATA`, staging messages).
+    notifier: Notifier,
     events: Option<Sender<EngineEvent>>,
     fatal_tx: Sender<Arc<TransferThreadFailed>>,
     view: Arc<View>,
@@ -186,7 +188,7 @@ impl Owner {
             dead_shards: HashSet::new(),
             workers: p.workers,
             inputs: p.inputs,
-            notices: p.notices,
+            notifier: p.notifier,
             events: p.events,
             fatal_tx: p.fatal_tx,
             view: p.view,
@@ -208,6 +210,9 @@ impl Owner {
             let now = Instant::now();
             let mut due = self.next_housekeeping;
             if let Some(t) = self.mgr.poll_timeout() {
+                due = due.min(t);
+            }
+            if let Some(t) = self.notifier.retry_due() {
                 due = due.min(t);
             }
             match inputs.recv_timeout(due.saturating_duration_since(now)) {
@@ -237,9 +242,13 @@ impl Owner {
         if self.mgr.poll_timeout().is_some_and(|t| t <= now) {
             let _ = self.handle(PrefillEvent::Tick, None);
         }
+        if self.notifier.retry_due().is_some_and(|t| t <= now) {
+            self.notifier.retry();
+        }
         if now >= self.next_housekeeping {
             self.next_housekeeping = now + HOUSEKEEPING;
             self.staging_housekeeping(now);
+            self.notifier.housekeeping();
             self.gauges();
             self.check_dying(true);
         }
@@ -267,6 +276,9 @@ impl Owner {
             }
             Call::Send { room, chunk, reply } => {
                 let last = chunk.is_last;
+                if last {
+                    crate::timeline::stage!(room, "loop");
+                }
                 let r = self.handle(PrefillEvent::Chunk { room, chunk }, Some(room));
                 if last && r.is_ok() && self.mgr.poll(room).is_some() {
                     self.last_chunk.entry(room).or_insert_with(Instant::now);
@@ -452,6 +464,7 @@ impl Owner {
             self.finished(job, Outcome::Skipped);
             return;
         }
+        crate::timeline::stage!(room, "posted");
         if let Err(e) = self.queues[shard].send(job) {
             self.finished(e.0, Outcome::RoomFailed("transfer queue closed".into()));
         }
@@ -465,6 +478,7 @@ impl Owner {
     /// A job came back: reports its batch (or staged chunk) to the manager.
     fn finished(&mut self, job: Job, outcome: Outcome) {
         let Job { room, work, .. } = job;
+        crate::timeline::stage!(room, "completed");
         let written = matches!(outcome, Outcome::Done);
         let result = match outcome {
             Outcome::Done | Outcome::Skipped => Ok(()),
@@ -486,7 +500,7 @@ impl Owner {
                 if written {
                     let rank = self.mgr.prefill_unique_rank();
                     let frames = wire::encode_chunk_ready(&w.chunk_ready(rank));
-                    self.notify(Notice::Send(w.endpoint.clone(), frames));
+                    self.notify(w.endpoint.clone(), frames);
                 }
                 self.with_staging(|d, fx| d.chunk_done(&w.batches, result, fx));
             }
@@ -632,7 +646,7 @@ impl Owner {
                     match frames {
                         Ok(f) => {
                             metrics::counter!("kvx_aux_messages_total").increment(1);
-                            self.notify(Notice::Send(endpoint, f));
+                            self.notify(endpoint, f);
                         }
                         Err(e) => tracing::error!(%room, error = %e, "AUX_DATA not sent"),
                     }
@@ -657,7 +671,9 @@ impl Owner {
                         metrics::counter!("kvx_status_reason_frames_total").increment(1);
                     }
                     let f = wire::encode_status_with_reason(room, status, prefill_rank, reason);
-                    self.notify(Notice::Send(endpoint, f));
+                    crate::timeline::stage!(room, "status_queued");
+                    self.notify(endpoint, f);
+                    crate::timeline::stage!(room, "status_sent");
                 }
                 PrefillAction::AbortAck {
                     endpoint,
@@ -670,7 +686,7 @@ impl Owner {
                     let form = if generation.is_some() { "4" } else { "3" };
                     metrics::counter!("kvx_abort_acks_total", "frames" => form).increment(1);
                     let frames = wire::encode_abort_ack(room, prefill_rank, generation);
-                    self.notify(Notice::Send(endpoint, frames));
+                    self.notify(endpoint, frames);
                 }
                 PrefillAction::Concluded {
                     room,
@@ -701,16 +717,15 @@ impl Owner {
         }
     }
 
-    /// Queues a message for the notifier (sent in order after every earlier one).
-    pub(super) fn notify(&self, notice: Notice) {
-        let _ = self.notices.send(notice);
+    /// Sends a message to a decode inbox, in order after every earlier one to it (held, and
+    /// retried from the loop's deadlines, while that inbox is full).
+    pub(super) fn notify(&mut self, endpoint: kvx_core::Endpoint, frames: crate::wire::Frames) {
+        self.notifier.send(endpoint, frames);
     }
 
-    /// Waits (bounded) until every queued notice went out to ZMQ.
-    fn flush_notices(&self, timeout: Duration) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.notify(Notice::Flush(tx));
-        let _ = rx.recv_timeout(timeout);
+    /// Waits (bounded) until every held message went out to ZMQ.
+    fn flush_notices(&mut self, timeout: Duration) {
+        self.notifier.flush(timeout);
         // ZMQ writes asynchronously; give its I/O thread a moment on loopback.
         std::thread::sleep(Duration::from_millis(200));
     }

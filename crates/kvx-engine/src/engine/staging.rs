@@ -1,5 +1,5 @@
 //! The loop's side of staging: runs the [`StagingDriver`] and performs its effects (messages to
-//! the notifier, chunks to the transfer workers, completions and room failures to the room
+//! the loop's notifier, chunks to the transfer workers, completions and room failures to the room
 //! manager); opens a room's staging when its metadata names a session on the staging path;
 //! routes `STAGING_RSP` and `WATERMARK`; expires parked chunks once a second. Everything runs on
 //! the loop's thread, so no lock orders exist: effects are performed after the driver returned.
@@ -17,7 +17,6 @@ use kvx_core::prefill::{PrefillEvent, TransferPath};
 use kvx_core::{Room, SessionId};
 use kvx_staging::{StagingRsp, WatermarkMsg};
 
-use super::Notice;
 use super::owner::{Input, Owner};
 use crate::prefill_staging::{Effect, StagingDriver};
 use crate::worker::Work;
@@ -39,7 +38,7 @@ impl Owner {
     fn perform(&mut self, effects: Vec<Effect>) {
         for e in effects {
             match e {
-                Effect::Send(endpoint, frames) => self.notify(Notice::Send(endpoint, frames)),
+                Effect::Send(endpoint, frames) => self.notify(endpoint, frames),
                 Effect::Post(work) => {
                     metrics::counter!("kvx_staged_chunks_posted_total").increment(1);
                     let (room, session) = (work.key.room, work.key.session.clone());

@@ -16,6 +16,10 @@
 //! connections are up before the first measured room, and the decode pool is written once before
 //! it (a serving stack's pool is allocated and touched at start-up).
 //!
+//! With `--timeline` it also records kvx-engine's per-room stage events
+//! (`kvx_engine::timeline`, through a tracing layer: [`timeline::Timeline`]) and prints where
+//! `control` goes, stage by stage (p50 / p99 per hand-off).
+//!
 //! Run with `cargo run --release -p kvx-cli --example engine_rooms -- --model llama3-8b
 //! --tokens 4096 --rooms 4 --json rooms.json`; it prints one line per room and a summary, and
 //! `--json` writes every room's figures (`cargo xtask bench e2e` reads them). The exit code is
@@ -44,6 +48,8 @@ use kvx_engine::region::Region;
 use kvx_engine::synthetic::SyntheticModel;
 use kvx_engine::synthetic::prefill_memory;
 use kvx_engine::synthetic::verify_room;
+
+mod timeline;
 
 /// Flags.
 #[derive(Parser, Debug)]
@@ -88,6 +94,9 @@ struct Args {
     /// `chunked_prefill_size` in tokens: the staging chunk grid of both sides.
     #[arg(long, default_value_t = kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE)]
     chunked_prefill_size: i64,
+    /// Record the engines' per-room stage events and print the control path stage by stage.
+    #[arg(long)]
+    timeline: bool,
 }
 
 /// One prefill rank's source pages for a room, written before the room's clock starts.
@@ -219,6 +228,7 @@ fn peak_rss_bytes() -> Option<u64> {
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    let timeline = a.timeline.then(timeline::Timeline::install);
     if a.tp_size == 0 || a.page_size == 0 {
         bail!("--tp-size and --page-size must be at least 1");
     }
@@ -349,6 +359,9 @@ fn main() -> Result<()> {
                     reason,
                 }) if r == room => {
                     let at = Instant::now();
+                    if let Some(t) = &timeline {
+                        t.mark(room.get(), "event", at);
+                    }
                     if status != KVPoll::Success {
                         bail!("{room} failed: {}", reason.unwrap_or_default());
                     }
@@ -456,6 +469,22 @@ fn main() -> Result<()> {
         pct(|r| r.control_s, 0.5) * 1e6,
         pct(|r| r.control_s, 0.99) * 1e6
     );
+    let mut segments = Vec::new();
+    if let Some(t) = &timeline {
+        let ids: Vec<u64> = rooms.iter().map(|r| r.room).collect();
+        println!(
+            "control path, stage by stage (µs over {} rooms):",
+            ids.len()
+        );
+        for (name, v) in t.segments(&ids) {
+            let (p50, p99) = (percentile(&v, 0.5), percentile(&v, 0.99));
+            println!(
+                "  {name:<32} p50 {p50:>7.1}  p99 {p99:>7.1}  ({} rooms)",
+                v.len()
+            );
+            segments.push(serde_json::json!({"segment": name, "p50_us": p50, "p99_us": p99}));
+        }
+    }
     // Issue 15 item 7: no payload-sized copies means the process's peak resident memory stays
     // near the memory the caller registered (both engines live in this one process).
     let peak = peak_rss_bytes();
@@ -479,6 +508,7 @@ fn main() -> Result<()> {
             "fill_s": fill_s,
             "verify_s": verify_s,
             "rooms": rooms,
+            "timeline": segments,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&out)?)
             .with_context(|| format!("--json {}", path.display()))?;
