@@ -166,6 +166,25 @@ impl RankMemory {
         None
     }
 
+    /// The KV buffers (`[K layers…, V layers…]`), as staging's gather and scatter take them.
+    pub fn kv_bufs(&self) -> &[Vec<u8>] {
+        &self.kv
+    }
+
+    /// The KV buffers, mutable (a decode's scatter).
+    pub fn kv_bufs_mut(&mut self) -> &mut [Vec<u8>] {
+        &mut self.kv
+    }
+
+    /// True when `len` bytes at `loc` lie inside its buffer.
+    pub fn bytes_checked(&self, loc: Loc, len: u64) -> bool {
+        let (buf, off) = match loc {
+            Loc::Kv { buf, off } => (self.kv.get(buf), off),
+            Loc::Aux { buf, off } => (self.aux.get(buf), off),
+        };
+        buf.is_some_and(|b| off.checked_add(len).is_some_and(|e| e <= b.len() as u64))
+    }
+
     /// The bytes at a location.
     pub fn bytes(&self, loc: Loc, len: u64) -> &[u8] {
         match loc {

@@ -20,16 +20,20 @@ pub enum Mutant {
     /// The transport writes to whatever process listens at a session id's address, ignoring
     /// the instance the id names (a decode that restarted there gets the old rooms' chunks).
     AnyInstance,
+    /// The decode frees a staged chunk's ring slot (and sends the new watermark) before its
+    /// copy-out into the room's pages ran, so a later chunk may be written over it first.
+    EarlySlotReuse,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 5] = [
+    pub const ALL: [Mutant; 6] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
         Mutant::Leak,
         Mutant::AnyInstance,
+        Mutant::EarlySlotReuse,
     ];
 
     /// The command-line name.
@@ -40,6 +44,7 @@ impl Mutant {
             Mutant::LostStatus => "lost-status",
             Mutant::Leak => "leak",
             Mutant::AnyInstance => "any-instance",
+            Mutant::EarlySlotReuse => "early-slot-reuse",
         }
     }
 
@@ -50,7 +55,10 @@ impl Mutant {
 
     /// True when the mutant lives in kvx-core (needs the `mutants` feature).
     pub fn in_core(self) -> bool {
-        !matches!(self, Mutant::LateWrite | Mutant::AnyInstance)
+        !matches!(
+            self,
+            Mutant::LateWrite | Mutant::AnyInstance | Mutant::EarlySlotReuse
+        )
     }
 
     /// The kvx-core hook for this mutant, when it is one and the feature is on.
@@ -58,7 +66,7 @@ impl Mutant {
     pub fn core(self) -> Option<kvx_core::prefill::mutant::SimMutant> {
         use kvx_core::prefill::mutant::SimMutant;
         match self {
-            Mutant::LateWrite | Mutant::AnyInstance => None,
+            Mutant::LateWrite | Mutant::AnyInstance | Mutant::EarlySlotReuse => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),

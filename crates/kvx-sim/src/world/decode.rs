@@ -7,8 +7,7 @@
 
 use kvx_core::decode::DecodeFailure;
 use kvx_core::{
-    DecodeAction, DecodeEvent, DecodeRegistration, Destination, KVPoll, Room, StagingRingInfo,
-    TransferRequest,
+    DecodeAction, DecodeEvent, DecodeRegistration, Destination, KVPoll, Room, TransferRequest,
 };
 
 use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
@@ -32,7 +31,11 @@ impl World {
             state_dim_per_tensor: Vec::new(),
             kv_layer_ids: Vec::new(),
             state_layer_ids: Vec::new(),
-            staging: StagingRingInfo::default(),
+            staging: n
+                .stager
+                .as_ref()
+                .map(super::stage_decode::DecodeStager::ring_info)
+                .unwrap_or_default(),
             dcp_size: 1,
             dcp_rank: 0,
             staging_slot_layer_ids: self.sc.v0523.then(Vec::new),
@@ -138,7 +141,15 @@ impl World {
                     return;
                 };
                 dr.concluded = Some(status);
-                if status == KVPoll::Success {
+                let success = status == KVPoll::Success;
+                let drained = self.decode_staging_concluded(d, room, success);
+                self.check.check(Inv::StagedSuccessDrained, !success || drained, Some(room), || {
+                    format!("decode rank {d} reports Success before every staged chunk was scattered")
+                });
+                if success {
+                    let Some(dr) = self.decodes[d as usize].rooms.get(&room) else {
+                        return;
+                    };
                     let (pages, row) = (dr.pages.clone(), dr.row);
                     let mem = &mut self.decodes[d as usize].mem;
                     let bad_page =
@@ -196,6 +207,7 @@ impl World {
         }
         n.row_owner[dr.row as usize] = None;
         n.free_rows.push(dr.row);
+        self.decode_staging_release(d, room);
     }
 
     /// Creates the room on rank `d`: pages, metadata to every target, waiting timeout armed.
@@ -224,6 +236,8 @@ impl World {
         if let Some(rec) = self.rooms.get_mut(&room) {
             rec.d_open.insert(d);
         }
+        // A staged room is registered with the ring before its metadata goes out.
+        self.decode_staging_register(d, room, &got);
         self.decode_event(
             d,
             DecodeEvent::Created {
@@ -295,7 +309,7 @@ impl World {
         self.decode_event(d, DecodeEvent::Tick);
     }
 
-    pub(crate) fn decode_receive(&mut self, d: u32, msg: Msg) {
+    pub(crate) fn decode_receive(&mut self, d: u32, from: u32, msg: Msg) {
         match msg {
             Msg::Status {
                 room,
@@ -329,7 +343,35 @@ impl World {
                 }
                 self.maybe_release(d, room);
             }
-            Msg::Register(_) | Msg::Metadata(_) | Msg::Abort { .. } => {}
+            Msg::AuxData {
+                room,
+                index,
+                row,
+                data,
+            } => {
+                // The rule a decode needs (kvx's decode does not check it yet): a row is written
+                // only while the room it names holds that row. A prefill may send a row of a room
+                // of an earlier incarnation of this process (same address), or after the room
+                // was released (kvx-sim seed 121).
+                let n = &self.decodes[d as usize];
+                let owns = n
+                    .rooms
+                    .get(&room)
+                    .is_some_and(|r| r.row == row && !r.released);
+                if owns {
+                    self.apply_aux_data(from, d, room, (index, row), &data);
+                } else {
+                    self.trace_line(Some(room), || {
+                        format!("  decode {d} drops AUX_DATA row {row}: not its room's")
+                    });
+                }
+            }
+            Msg::StagingReq(_) | Msg::ChunkReady(_) => self.decode_staging_receive(d, msg),
+            Msg::Register(_)
+            | Msg::Metadata(_)
+            | Msg::Abort { .. }
+            | Msg::StagingRsp(_)
+            | Msg::Watermark(_) => {}
         }
     }
 
@@ -376,6 +418,9 @@ impl World {
         let mgr = self.new_decode_manager();
         let n = &mut self.decodes[d as usize];
         n.inc += 1;
+        let stager = self.new_decode_stager(d);
+        let n = &mut self.decodes[d as usize];
+        n.stager = stager;
         n.down = true;
         n.tick_at = None;
         n.mgr = mgr;
@@ -383,7 +428,7 @@ impl World {
         n.reset_pools();
         n.rooms.clear();
         n.last_poll.clear();
-        let at = self.clock.now() + 200 * crate::clock::MS;
+        let at = self.clock.now() + self.sc.decode_down;
         self.schedule(at, Ev::DecodeRestart { d });
     }
 

@@ -1,0 +1,754 @@
+//! The prefill side of staged rooms: a driver around kvx-staging's real [`PrefillStaging`] that
+//! plays kvx-cli's staging driver (`prefill_staging.rs`) and the loop's side of it
+//! (`engine/staging.rs`).
+//!
+//! A room whose metadata names a decode session on the staging path is opened: every chunk of
+//! its grid is requested at once (`STAGING_REQ`). The manager's `Stage` actions are cut at grid
+//! boundaries and collected per grid chunk; a complete chunk is polled — writable → its head
+//! slices are gathered and written with one op into the decode's ring, and once that write
+//! landed `CHUNK_READY` goes out ahead of everything later on the link; not yet → parked until
+//! `STAGING_RSP` or `WATERMARK` wakes it; oversized → the room fails. A manager batch is done once
+//! every grid chunk it fed is written or dropped. Housekeeping (every second while staged rooms
+//! exist) fails rooms parked past the wait timeout, forgets rooms the manager dropped, and probes
+//! the decodes the rooms wait on: two failed connects in a row are `PrefillEvent::SessionLost`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvx_core::prefill::{BatchId, PrefillEvent, TransferPath};
+use kvx_core::{DecodeRegistration, PageSlice, Room, SessionId, TransferOp};
+use kvx_staging::{
+    ChunkGrid, ChunkKey, ChunkReady, Placement, PrefillStaging, Readiness, RoomGrid, SliceSpec,
+    StagedLayout, TpGeometry,
+};
+
+use super::{Ev, World, session_decode};
+use crate::clock::Nanos;
+use crate::data::{BatchResult, Job, Write};
+use crate::memory::{KV_BUFFERS, PAGE_SIZE, TOTAL_HEADS, item_len};
+use crate::net::{Msg, Node};
+
+/// A chunk parked this long waited behind a fault (a slow write or message, or a slot fenced
+/// for a dead rank, holding the watermark back); in a fault-free seed none waits nearly as long.
+const LONG_WAIT: Nanos = 500 * crate::clock::MS;
+
+/// Where one decode session receives a room's staged chunks.
+#[derive(Clone, Debug)]
+struct Target {
+    d: u32,
+    ring_base: u64,
+    ring_size: u64,
+    layout: StagedLayout,
+    writer: usize,
+    spec: SliceSpec,
+}
+
+impl Target {
+    /// kvx-cli's checks: a complete ring, a usable geometry, and this rank among the writers.
+    fn new(p: u32, prefill_tp: u32, d: u32, reg: &DecodeRegistration) -> Result<Target, String> {
+        let (Some(ring_base), Some(ring_size)) = (reg.staging.base, reg.staging.size) else {
+            return Err(format!("decode session {} advertised no ring", reg.session));
+        };
+        let geom = TpGeometry::new(TOTAL_HEADS, prefill_tp, reg.dst_attn_tp_size)
+            .map_err(|e| e.to_string())?;
+        let page = u64::from(PAGE_SIZE);
+        let bph = geom
+            .bytes_per_head_token(reg.dst_kv_item_len, page)
+            .ok_or("the decode's KV item length leaves no bytes per head")?;
+        let layers = (KV_BUFFERS / 2) as u32;
+        let layout = StagedLayout::for_decode(&geom, reg.dst_tp_rank, layers, bph, page);
+        let writer = geom.writer_index(p) as usize;
+        if layout.writers.get(writer).map(|w| w.prefill_rank) != Some(p) {
+            return Err(format!(
+                "prefill rank {p} does not write to decode rank {d}"
+            ));
+        }
+        let slice = geom.slice(p, reg.dst_tp_rank);
+        let spec = SliceSpec {
+            page_size: PAGE_SIZE as usize,
+            bytes_per_head_token: bph as usize,
+            item_len: item_len(prefill_tp) as usize,
+            head: slice.src_head as usize,
+            n_heads: slice.n_heads as usize,
+        };
+        Ok(Target {
+            d,
+            ring_base,
+            ring_size,
+            layout,
+            writer,
+            spec,
+        })
+    }
+}
+
+/// The source pages of one grid chunk as `Stage` actions deliver them.
+#[derive(Debug)]
+struct Assembly {
+    src: Vec<Option<i32>>,
+    have: usize,
+    batches: Vec<BatchId>,
+    parked: Option<Nanos>,
+}
+
+#[derive(Debug)]
+struct RoomStage {
+    target: Target,
+    grid: RoomGrid,
+    chunks: BTreeMap<u32, Assembly>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    left: usize,
+    error: Option<String>,
+}
+
+/// A chunk write posted to the data plane.
+#[derive(Clone, Debug)]
+pub struct Work {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// The decode rank.
+    pub d: u32,
+    /// First suffix page of the chunk.
+    pub page_start: u64,
+    /// Pages of the chunk.
+    pub pages: u64,
+    /// The manager batches it completes a part of.
+    pub batches: Vec<BatchId>,
+}
+
+/// A chunk to gather and post.
+#[derive(Clone, Debug)]
+pub struct PostWork {
+    work: Work,
+    src_pages: Vec<i32>,
+    spec: SliceSpec,
+    op: TransferOp,
+}
+
+/// What the world performs for the stager, in order.
+#[derive(Debug)]
+pub enum Effect {
+    /// A message to decode rank `d`.
+    Send(u32, Msg),
+    /// Gather and write a chunk.
+    Post(Box<PostWork>),
+    /// A manager batch is complete.
+    Done(BatchId, Result<(), String>),
+    /// Fail the room (`SenderFailed`).
+    Fail(Room, String),
+    /// A chunk of the room waited long for ring space: its decode may time out before the
+    /// room completes or its wait times out. In a seed with faults that is explained (slow
+    /// writes and messages, or slots fenced for a dead rank, hold the watermark back); in a
+    /// fault-free seed nothing may wait that long.
+    Waited(Room),
+}
+
+/// The staging state of one prefill rank.
+#[derive(Debug)]
+pub struct PrefillStager {
+    grid: ChunkGrid,
+    wait_timeout: Nanos,
+    state: PrefillStaging,
+    rooms: BTreeMap<(Room, SessionId), RoomStage>,
+    pending: BTreeMap<BatchId, Pending>,
+    works: BTreeMap<u64, Work>,
+    next_work: u64,
+    probed: BTreeMap<SessionId, Nanos>,
+    /// When the next housekeeping runs, if one is scheduled.
+    pub housekeeping_at: Option<Nanos>,
+}
+
+impl PrefillStager {
+    /// An idle stager cutting rooms on `grid`.
+    pub fn new(grid: ChunkGrid, wait_timeout: Nanos) -> Self {
+        PrefillStager {
+            grid,
+            wait_timeout,
+            state: PrefillStaging::new(),
+            rooms: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            works: BTreeMap::new(),
+            next_work: 0,
+            probed: BTreeMap::new(),
+            housekeeping_at: None,
+        }
+    }
+
+    /// Staged rooms held (per decode session).
+    pub fn room_count(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// True when nothing is held: no room, batch, write or key.
+    pub fn is_idle(&self) -> bool {
+        self.rooms.is_empty()
+            && self.pending.is_empty()
+            && self.works.is_empty()
+            && self.state.is_idle()
+    }
+
+    /// What is held, for a leak report.
+    pub fn held(&self) -> String {
+        format!(
+            "{} rooms, {} batches, {} writes, {} parked, idle state: {}",
+            self.rooms.len(),
+            self.pending.len(),
+            self.works.len(),
+            self.state.waiting_count(),
+            self.state.is_idle()
+        )
+    }
+
+    fn open(
+        &mut self,
+        room: Room,
+        target: Result<Target, String>,
+        reg: &DecodeRegistration,
+        total_pages: usize,
+        out: &mut Vec<Effect>,
+    ) {
+        let key = (room, reg.session.clone());
+        if !self.rooms.contains_key(&key) {
+            match target {
+                Ok(target) => {
+                    let grid = RoomGrid::from_pages(self.grid, total_pages as u64);
+                    let chunks = BTreeMap::new();
+                    let rs = RoomStage {
+                        target,
+                        grid,
+                        chunks,
+                    };
+                    self.rooms.insert(key.clone(), rs);
+                }
+                Err(why) => {
+                    out.push(Effect::Fail(room, format!("staging: {why}")));
+                    return;
+                }
+            }
+        }
+        let Some(rs) = self.rooms.get(&key) else {
+            return;
+        };
+        match self.state.prefetch(room, &reg.session, &rs.grid, Some(0)) {
+            Ok(reqs) => {
+                for r in reqs {
+                    out.push(Effect::Send(rs.target.d, Msg::StagingReq(r)));
+                }
+            }
+            Err(e) => out.push(Effect::Fail(room, format!("staging: {e}"))),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        now: Nanos,
+        room: Room,
+        session: &SessionId,
+        batch: BatchId,
+        slice: PageSlice,
+        src_pages: &[i32],
+        out: &mut Vec<Effect>,
+    ) {
+        let key = (room, session.clone());
+        let Some(rs) = self.rooms.get_mut(&key) else {
+            out.push(Effect::Fail(
+                room,
+                format!("staging: room {room} not opened"),
+            ));
+            out.push(Effect::Done(batch, Ok(())));
+            return;
+        };
+        let parts = self.grid.split(slice);
+        if parts.is_empty() {
+            out.push(Effect::Done(batch, Ok(())));
+            return;
+        }
+        let left = parts.len();
+        self.pending.insert(batch, Pending { left, error: None });
+        let mut complete = Vec::new();
+        let mut bad = Vec::new();
+        for (idx, seg) in parts {
+            let placed = u32::try_from(idx)
+                .ok()
+                .and_then(|i| Some((i, rs.grid.chunk_start(idx)?, rs.grid.chunk_pages(idx)?)));
+            let Some((i, start, n)) = placed else {
+                bad.push(format!("pages {}..{} outside the grid", seg.start, seg.end));
+                continue;
+            };
+            let asm = rs.chunks.entry(i).or_insert_with(|| Assembly {
+                src: vec![None; n as usize],
+                have: 0,
+                batches: Vec::new(),
+                parked: None,
+            });
+            let mut ok = true;
+            for page in seg.start..seg.end {
+                let src = src_pages.get(page - slice.start).copied();
+                let at = (page as u64).checked_sub(start).map(|a| a as usize);
+                match (src, at.and_then(|a| asm.src.get_mut(a))) {
+                    (Some(s), Some(slot)) => {
+                        if slot.replace(s).is_none() {
+                            asm.have += 1;
+                        }
+                    }
+                    _ => ok = false,
+                }
+            }
+            if !ok {
+                bad.push(format!("chunk {i}: source pages missing"));
+                continue;
+            }
+            asm.batches.push(batch);
+            if asm.have == asm.src.len() {
+                complete.push(i);
+            }
+        }
+        for why in bad {
+            out.push(Effect::Fail(room, format!("staging: {why}")));
+            self.resolve(batch, Ok(()), out);
+        }
+        for chunk_idx in complete {
+            let key = ChunkKey {
+                room,
+                chunk_idx,
+                session: session.clone(),
+            };
+            let r = self.state.poll(&key);
+            self.act(now, key, r, out);
+        }
+    }
+
+    fn act(&mut self, now: Nanos, key: ChunkKey, r: Readiness, out: &mut Vec<Effect>) {
+        match r {
+            Readiness::Ready(p) => {
+                let rs = self.rooms.get(&(key.room, key.session.clone()));
+                let parked = rs
+                    .and_then(|rs| rs.chunks.get(&key.chunk_idx))
+                    .and_then(|a| a.parked);
+                if parked.is_some_and(|t| now - t >= LONG_WAIT) {
+                    out.push(Effect::Waited(key.room));
+                }
+                self.post(key, &p, out);
+            }
+            Readiness::Wait => {
+                let rs = self.rooms.get_mut(&(key.room, key.session.clone()));
+                if let Some(a) = rs.and_then(|rs| rs.chunks.get_mut(&key.chunk_idx)) {
+                    a.parked.get_or_insert(now);
+                }
+            }
+            Readiness::Oversized => {
+                let why = format!(
+                    "staging: chunk {} of room {} does not fit the ring of {}",
+                    key.chunk_idx, key.room, key.session
+                );
+                out.push(Effect::Fail(key.room, why));
+                let asm = self
+                    .rooms
+                    .get_mut(&(key.room, key.session.clone()))
+                    .and_then(|rs| rs.chunks.remove(&key.chunk_idx));
+                for b in asm.map(|a| a.batches).unwrap_or_default() {
+                    self.resolve(b, Ok(()), out);
+                }
+            }
+        }
+    }
+
+    fn post(&mut self, key: ChunkKey, p: &Placement, out: &mut Vec<Effect>) {
+        let Some(rs) = self.rooms.get_mut(&(key.room, key.session.clone())) else {
+            return;
+        };
+        let complete = rs
+            .chunks
+            .get(&key.chunk_idx)
+            .is_some_and(|a| a.have == a.src.len());
+        if !complete {
+            return;
+        }
+        let Some(asm) = rs.chunks.remove(&key.chunk_idx) else {
+            return;
+        };
+        let t = &rs.target;
+        let n = asm.src.len() as u64;
+        let start = rs.grid.chunk_start(u64::from(key.chunk_idx));
+        let op = t
+            .layout
+            .write_op(t.writer, n, p, t.ring_base, t.ring_size, 0);
+        let (Some(op), Some(page_start)) = (op, start) else {
+            let why = format!(
+                "staging: placement {p:?} of chunk {} does not fit its layout",
+                key.chunk_idx
+            );
+            out.push(Effect::Fail(key.room, why));
+            for b in asm.batches {
+                self.resolve(b, Ok(()), out);
+            }
+            return;
+        };
+        let work = Work {
+            d: t.d,
+            page_start,
+            pages: n,
+            batches: asm.batches,
+            key,
+        };
+        out.push(Effect::Post(Box::new(PostWork {
+            work,
+            src_pages: asm.src.into_iter().flatten().collect(),
+            spec: t.spec,
+            op,
+        })));
+    }
+
+    fn chunk_done(&mut self, batches: &[BatchId], r: Result<(), String>, out: &mut Vec<Effect>) {
+        for &b in batches {
+            self.resolve(b, r.clone(), out);
+        }
+    }
+
+    fn resolve(&mut self, batch: BatchId, result: Result<(), String>, out: &mut Vec<Effect>) {
+        let Some(p) = self.pending.get_mut(&batch) else {
+            return;
+        };
+        p.left = p.left.saturating_sub(1);
+        if let Err(e) = result {
+            p.error.get_or_insert(e);
+        }
+        if p.left == 0
+            && let Some(p) = self.pending.remove(&batch)
+        {
+            out.push(Effect::Done(batch, p.error.map_or(Ok(()), Err)));
+        }
+    }
+
+    /// The room concluded: forget it; batches waiting on chunks never posted complete.
+    fn conclude(&mut self, room: Room, out: &mut Vec<Effect>) {
+        self.state.conclude_room(room);
+        let keys: Vec<_> = self.rooms.keys().filter(|k| k.0 == room).cloned().collect();
+        for k in keys {
+            if let Some(rs) = self.rooms.remove(&k) {
+                for a in rs.chunks.into_values() {
+                    for b in a.batches {
+                        self.resolve(b, Ok(()), out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fails every room with a chunk parked longer than the wait timeout.
+    fn expire(&mut self, now: Nanos, out: &mut Vec<Effect>) {
+        let mut late = BTreeSet::new();
+        for ((room, _), rs) in &self.rooms {
+            let stuck = rs
+                .chunks
+                .values()
+                .any(|a| a.parked.is_some_and(|t| now - t > self.wait_timeout));
+            if stuck {
+                late.insert(*room);
+            }
+        }
+        for room in late {
+            out.push(Effect::Waited(room));
+            out.push(Effect::Fail(room, "staging: no ring space in time".into()));
+        }
+    }
+
+    fn sessions(&self) -> BTreeSet<SessionId> {
+        self.rooms.keys().map(|(_, s)| s.clone()).collect()
+    }
+}
+
+impl World {
+    /// A fresh stager for a prefill rank, when the seed stages.
+    pub(crate) fn new_prefill_stager(&self) -> Option<PrefillStager> {
+        let cfg = self.sc.staging?;
+        let grid = ChunkGrid::with_pages(cfg.grid_pages);
+        Some(PrefillStager::new(grid, cfg.wait_timeout))
+    }
+
+    /// Runs `f` on rank `p`'s stager (when it stages) and performs its effects.
+    fn with_stager(
+        &mut self,
+        p: u32,
+        f: impl FnOnce(&mut PrefillStager, &mut Vec<Effect>),
+    ) -> bool {
+        let Some(st) = self.prefills[p as usize].stager.as_mut() else {
+            return false;
+        };
+        let mut fx = Vec::new();
+        f(st, &mut fx);
+        self.stage_perform(p, fx);
+        true
+    }
+
+    fn stage_perform(&mut self, p: u32, fx: Vec<Effect>) {
+        for e in fx {
+            match e {
+                Effect::Send(d, msg) => self.send(Node::Prefill(p), Node::Decode(d), msg),
+                Effect::Post(w) => self.stage_post(p, *w),
+                Effect::Done(batch_id, result) => {
+                    self.prefill_event(p, PrefillEvent::BatchDone { batch_id, result });
+                }
+                Effect::Fail(room, reason) => self.prefill_fail_room(p, room, reason),
+                Effect::Waited(room) if self.sc.faulty => self.excuse(Some(room)),
+                Effect::Waited(_) => {}
+            }
+        }
+    }
+
+    /// kvx-cli's `fail_room`: `SenderFailed` for a room still open.
+    fn prefill_fail_room(&mut self, p: u32, room: Room, reason: String) {
+        let open = self.prefills[p as usize]
+            .mgr
+            .poll(room)
+            .is_some_and(|s| !s.is_terminal());
+        if open {
+            self.prefill_event(p, PrefillEvent::SenderFailed { room, reason });
+        }
+    }
+
+    /// Gathers a chunk's head slices and writes the block into the decode's ring.
+    fn stage_post(&mut self, p: u32, w: PostWork) {
+        let PostWork {
+            work,
+            src_pages,
+            spec,
+            op,
+        } = w;
+        let mut bytes = vec![0u8; op.len as usize];
+        let mem = &self.prefills[p as usize].mem;
+        if let Err(e) = kvx_staging::gather(&spec, mem.kv_bufs(), &src_pages, &mut bytes) {
+            let room = work.key.room;
+            self.prefill_fail_room(p, room, format!("staging gather: {e}"));
+            self.with_stager(p, |st, fx| st.chunk_done(&work.batches, Ok(()), fx));
+            return;
+        }
+        let Some(st) = self.prefills[p as usize].stager.as_mut() else {
+            return;
+        };
+        let id = st.next_work;
+        st.next_work += 1;
+        st.works.insert(id, work.clone());
+        let job = Job::Stage {
+            work: id,
+            chunk: work.key.chunk_idx,
+        };
+        let write = Write {
+            room: work.key.room,
+            id: job,
+            ops: vec![op],
+            payload: Some(bytes),
+        };
+        self.post_write(p, &work.key.session, write);
+    }
+
+    /// `Stage`: the manager hands over a chunk's pages for a staged session.
+    pub(crate) fn prefill_stage(
+        &mut self,
+        p: u32,
+        room: Room,
+        session: SessionId,
+        batch_id: BatchId,
+        slice: PageSlice,
+        src_pages: Vec<i32>,
+    ) {
+        let now = self.clock.now();
+        let staged = self.with_stager(p, |st, fx| {
+            st.stage(now, room, &session, batch_id, slice, &src_pages, fx);
+        });
+        if !staged {
+            let result = Err("staging is off on this prefill rank".into());
+            self.prefill_event(p, PrefillEvent::BatchDone { batch_id, result });
+        }
+    }
+
+    /// The room's metadata was accepted: opens its staging when its session stages.
+    pub(crate) fn prefill_staging_open(
+        &mut self,
+        p: u32,
+        room: Room,
+        session: &SessionId,
+        pages: usize,
+    ) {
+        let n = &self.prefills[p as usize];
+        let open = n.mgr.poll(room).is_some_and(|s| !s.is_terminal());
+        if !open || n.mgr.path_for(session) != Some(TransferPath::Staging) {
+            return;
+        }
+        let Some(reg) = n.mgr.registration(session).cloned() else {
+            return;
+        };
+        let Some((d, _)) = session_decode(session, self.sc.decode_tp) else {
+            return;
+        };
+        let target = Target::new(p, self.sc.prefill_tp, d, &reg);
+        self.with_stager(p, |st, fx| st.open(room, target, &reg, pages, fx));
+    }
+
+    /// A staged chunk's write was answered: `CHUNK_READY` once it landed, then its batches.
+    pub(crate) fn prefill_stage_answer(&mut self, p: u32, work: u64, result: BatchResult) {
+        let Some(st) = self.prefills[p as usize].stager.as_mut() else {
+            return;
+        };
+        let Some(w) = st.works.remove(&work) else {
+            return;
+        };
+        let r = match result {
+            BatchResult::Ok => {
+                let msg = ChunkReady {
+                    room: w.key.room,
+                    chunk_idx: w.key.chunk_idx,
+                    page_start: w.page_start,
+                    num_pages: w.pages,
+                    session: w.key.session.clone(),
+                    prefill_unique_rank: Some(self.prefills[p as usize].mgr.prefill_unique_rank()),
+                };
+                self.send(Node::Prefill(p), Node::Decode(w.d), Msg::ChunkReady(msg));
+                Ok(())
+            }
+            BatchResult::Lost(e) => Err(e),
+            BatchResult::Rejected(reason) => {
+                self.prefill_fail_room(p, w.key.room, reason);
+                Ok(())
+            }
+        };
+        self.with_stager(p, |st, fx| st.chunk_done(&w.batches, r, fx));
+    }
+
+    /// `STAGING_RSP` or `WATERMARK` from a decode.
+    pub(crate) fn prefill_staging_receive(&mut self, p: u32, msg: Msg) {
+        let now = self.clock.now();
+        match msg {
+            Msg::StagingRsp(rsp) => {
+                self.with_stager(p, |st, fx| {
+                    // Mostly a response to another rank's request for a room this rank already
+                    // concluded (every rank of a room gets every response): dropped.
+                    if let Ok(wakes) = st.state.on_staging_rsp(&rsp) {
+                        for w in wakes {
+                            st.act(now, w.key, w.readiness, fx);
+                        }
+                    }
+                });
+            }
+            Msg::Watermark(wm) => {
+                self.with_stager(p, |st, fx| {
+                    for w in st.state.on_watermark(&wm) {
+                        st.act(now, w.key, w.readiness, fx);
+                    }
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// The manager concluded a room: the stager forgets it.
+    pub(crate) fn prefill_staging_concluded(&mut self, p: u32, room: Room) {
+        self.with_stager(p, |st, fx| st.conclude(room, fx));
+    }
+
+    /// Schedules the staging housekeeping while staged rooms exist.
+    pub(crate) fn ensure_staging_housekeeping(&mut self, p: u32) {
+        let now = self.clock.now();
+        let n = &mut self.prefills[p as usize];
+        let (Some(st), Some(cfg)) = (n.stager.as_mut(), self.sc.staging) else {
+            return;
+        };
+        if st.room_count() == 0 || st.housekeeping_at.is_some() {
+            return;
+        }
+        let at = now + cfg.housekeeping;
+        st.housekeeping_at = Some(at);
+        let inc = n.inc;
+        self.schedule(at, Ev::StagingHousekeeping { p, inc });
+    }
+
+    /// Once a second: fails rooms parked too long, forgets rooms the manager dropped, and
+    /// probes the decodes staged rooms wait on.
+    pub(crate) fn prefill_staging_housekeeping(&mut self, p: u32, inc: u32) {
+        let now = self.clock.now();
+        let n = &mut self.prefills[p as usize];
+        let Some(cfg) = self.sc.staging else {
+            return;
+        };
+        if n.inc != inc || n.down {
+            return;
+        }
+        let Some(st) = n.stager.as_mut() else {
+            return;
+        };
+        st.housekeeping_at = None;
+        let gone: Vec<Room> = st
+            .rooms
+            .keys()
+            .map(|k| k.0)
+            .filter(|&r| n.mgr.poll(r).is_none())
+            .collect();
+        self.with_stager(p, |st, fx| {
+            st.expire(now, fx);
+            for room in gone {
+                st.conclude(room, fx);
+            }
+        });
+        let Some(st) = self.prefills[p as usize].stager.as_mut() else {
+            return;
+        };
+        let sessions = st.sessions();
+        st.probed.retain(|s, _| sessions.contains(s));
+        let mut probes = Vec::new();
+        for session in sessions {
+            if st
+                .probed
+                .get(&session)
+                .is_some_and(|&at| now - at < cfg.probe_period)
+            {
+                continue;
+            }
+            st.probed.insert(session.clone(), now);
+            probes.push(session);
+        }
+        for session in probes {
+            self.schedule(
+                now,
+                Ev::Probe {
+                    p,
+                    inc,
+                    session,
+                    retry: false,
+                },
+            );
+        }
+        self.ensure_staging_housekeeping(p);
+    }
+
+    /// One connect of a liveness probe to the inbox of the decode behind `session`: a decode
+    /// that is down fails it; two failures in a row are reported as `SessionLost`. A decode
+    /// restarted on the same address answers (its inbox is back), as a real connect would.
+    pub(crate) fn prefill_probe(&mut self, p: u32, inc: u32, session: SessionId, retry: bool) {
+        let n = &self.prefills[p as usize];
+        if n.inc != inc || n.down {
+            return;
+        }
+        let Some((d, _)) = session_decode(&session, self.sc.decode_tp) else {
+            return;
+        };
+        if !self.decodes[d as usize].down {
+            return;
+        }
+        if !retry {
+            let at = self.clock.now() + self.sc.staging.map_or(0, |c| c.probe_retry);
+            let ev = Ev::Probe {
+                p,
+                inc,
+                session,
+                retry: true,
+            };
+            self.schedule(at, ev);
+            return;
+        }
+        self.trace_line(None, || format!("  prefill {p} -> SessionLost {session}"));
+        self.prefill_event(p, PrefillEvent::SessionLost { session });
+    }
+}
