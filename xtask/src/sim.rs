@@ -8,13 +8,14 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 6] = [
+pub const MUTANTS: [&str; 7] = [
     "late-write",
     "early-ack",
     "lost-status",
     "leak",
     "any-instance",
     "early-slot-reuse",
+    "ignore-watermark",
 ];
 
 /// Options of `cargo xtask sim`.
@@ -27,7 +28,7 @@ pub struct Opts {
     #[arg(long)]
     pub steps: Option<u64>,
     /// Run with a planted bug (late-write, early-ack, lost-status, leak, any-instance,
-    /// early-slot-reuse).
+    /// early-slot-reuse, ignore-watermark).
     #[arg(long)]
     pub mutant: Option<String>,
 }

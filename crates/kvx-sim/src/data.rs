@@ -7,7 +7,8 @@
 //! fails; the others keep landing), and a peer that dies (every connection to it fails, and a
 //! batch posted while it is down fails at once). The contract — what the managers rely on — is
 //! that a batch is answered only once nothing of it can still reach the peer, i.e. when every
-//! window landed or failed. The `late-write` mutant breaks exactly that.
+//! window landed or failed. The `late-write` mutant breaks exactly that. A staged chunk is one
+//! write whose bytes were gathered when it was posted ([`Job::Stage`], [`Write::payload`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 

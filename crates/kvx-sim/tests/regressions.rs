@@ -16,11 +16,12 @@ use kvx_sim::run_seed;
 /// 121 (once staging and `AUX_DATA` over tcp were simulated): aux rows sent with a room's last
 /// chunk reached a decode that had restarted on the same address and landed in rows of its new
 /// rooms (kvx-core: rows now wait for the room's Success; the decode writes a row only while the
-/// room it names holds it). 90: a staged room's chunks queued behind slow writes for ring space
-/// and its decode timed out (a fault explains it: long waits for ring space excuse the room).
+/// room it names holds it). 90 and 8348: a staged room's chunks waited for ring space behind
+/// faults (slow writes; slots fenced for a dead prefill rank) and its decode timed out before
+/// the room's status came (explained by the seed's faults: long waits excuse the room there).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
-    for seed in [9, 51, 65, 90, 121, 134, 28158] {
+    for seed in [9, 51, 65, 90, 121, 134, 8348, 28158] {
         let out = run_seed(seed, None);
         assert!(
             out.violations.is_empty(),
@@ -68,6 +69,11 @@ fn early_slot_reuse_is_caught() {
         matches!(v.inv, Inv::SuccessBytes | Inv::ScatterOwnBytes),
         "mutant early-slot-reuse: {v}"
     );
+}
+
+#[test]
+fn ignore_watermark_is_caught() {
+    caught(Mutant::IgnoreWatermark, Inv::RingWriteInLiveSlot);
 }
 
 /// Staged rooms, `SessionLost` and `AUX_DATA` over tcp run in the default budget's seeds.

@@ -81,6 +81,7 @@ impl World {
             "prefill rank {p} sent AUX_DATA row {row} of buffer {index} to decode rank {d}"
         );
         if self.check_decode_write(p, d, room, loc, data.len() as u64, &what) {
+            self.stats.aux_rows += 1;
             self.decodes[d as usize]
                 .mem
                 .bytes_mut(loc, data.len() as u64)

@@ -254,6 +254,17 @@ pub struct RoomRec {
     pub fatal: BTreeSet<u32>,
 }
 
+/// How often the rarer paths of a run were taken (so a test can tell they are exercised).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Staged chunks scattered from a ring into their pages.
+    pub scattered: u64,
+    /// `PrefillEvent::SessionLost` reports (a probed decode was gone).
+    pub sessions_lost: u64,
+    /// `AUX_DATA` rows written into a decode.
+    pub aux_rows: u64,
+}
+
 /// The trace of one room kept while replaying a failing seed.
 #[derive(Clone, Debug, Default)]
 pub struct Trace {
@@ -283,6 +294,8 @@ pub struct World {
     pub check: Checker,
     /// Steps taken.
     pub steps: u64,
+    /// How often the rarer paths ran.
+    pub stats: Stats,
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
     pub(crate) pacts: Vec<PrefillAction>,
@@ -354,6 +367,7 @@ impl World {
             spawned: 0,
             check: Checker::default(),
             steps: 0,
+            stats: Stats::default(),
             mutant,
             trace: None,
             pacts: Vec::new(),

@@ -308,6 +308,7 @@ impl World {
         let Some((pages, layout)) = st.rooms.get(&job.room) else {
             return;
         };
+        self.stats.scattered += 1;
         let (start, count) = (job.page_start as usize, job.num_pages as usize);
         let Some(chunk_pages) = pages.get(start..start + count) else {
             return;

@@ -17,8 +17,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use kvx_core::prefill::{BatchId, PrefillEvent, TransferPath};
 use kvx_core::{DecodeRegistration, PageSlice, Room, SessionId, TransferOp};
 use kvx_staging::{
-    ChunkGrid, ChunkKey, ChunkReady, Placement, PrefillStaging, Readiness, RoomGrid, SliceSpec,
-    StagedLayout, TpGeometry,
+    ChunkGrid, ChunkKey, ChunkReady, Placement, PrefillStaging, Readiness, RoomGrid, RspPlacement,
+    SliceSpec, StagedLayout, TpGeometry,
 };
 
 use super::{Ev, World, session_decode};
@@ -158,12 +158,19 @@ pub struct PrefillStager {
     probed: BTreeMap<SessionId, Nanos>,
     /// When the next housekeeping runs, if one is scheduled.
     pub housekeeping_at: Option<Nanos>,
+    /// The `ignore-watermark` mutant: a complete chunk is written as soon as its placement is
+    /// known, whatever the decode's watermark says.
+    ignore_watermark: bool,
+    /// Placements seen, for the `ignore-watermark` mutant only.
+    seen: BTreeMap<ChunkKey, Placement>,
 }
 
 impl PrefillStager {
     /// An idle stager cutting rooms on `grid`.
-    pub fn new(grid: ChunkGrid, wait_timeout: Nanos) -> Self {
+    pub fn new(grid: ChunkGrid, wait_timeout: Nanos, ignore_watermark: bool) -> Self {
         PrefillStager {
+            ignore_watermark,
+            seen: BTreeMap::new(),
             grid,
             wait_timeout,
             state: PrefillStaging::new(),
@@ -333,6 +340,11 @@ impl PrefillStager {
                 }
                 self.post(key, &p, out);
             }
+            Readiness::Wait if self.ignore_watermark => {
+                if let Some(p) = self.seen.get(&key).copied() {
+                    self.post(key, &p, out);
+                }
+            }
             Readiness::Wait => {
                 let rs = self.rooms.get_mut(&(key.room, key.session.clone()));
                 if let Some(a) = rs.and_then(|rs| rs.chunks.get_mut(&key.chunk_idx)) {
@@ -426,6 +438,7 @@ impl PrefillStager {
     /// The room concluded: forget it; batches waiting on chunks never posted complete.
     fn conclude(&mut self, room: Room, out: &mut Vec<Effect>) {
         self.state.conclude_room(room);
+        self.seen.retain(|k, _| k.room != room);
         let keys: Vec<_> = self.rooms.keys().filter(|k| k.0 == room).cloned().collect();
         for k in keys {
             if let Some(rs) = self.rooms.remove(&k) {
@@ -466,7 +479,8 @@ impl World {
     pub(crate) fn new_prefill_stager(&self) -> Option<PrefillStager> {
         let cfg = self.sc.staging?;
         let grid = ChunkGrid::with_pages(cfg.grid_pages);
-        Some(PrefillStager::new(grid, cfg.wait_timeout))
+        let mutant = self.mutant == Some(crate::mutants::Mutant::IgnoreWatermark);
+        Some(PrefillStager::new(grid, cfg.wait_timeout, mutant))
     }
 
     /// Runs `f` on rank `p`'s stager (when it stages) and performs its effects.
@@ -631,6 +645,10 @@ impl World {
                             st.act(now, w.key, w.readiness, fx);
                         }
                     }
+                    if let (true, RspPlacement::At(p)) = (st.ignore_watermark, rsp.placement) {
+                        st.seen.insert(rsp.key(), p);
+                        st.post(rsp.key(), &p, fx);
+                    }
                 });
             }
             Msg::Watermark(wm) => {
@@ -749,6 +767,7 @@ impl World {
             return;
         }
         self.trace_line(None, || format!("  prefill {p} -> SessionLost {session}"));
+        self.stats.sessions_lost += 1;
         self.prefill_event(p, PrefillEvent::SessionLost { session });
     }
 }
