@@ -9,8 +9,9 @@
 //! local aborts on both sides, and fatal worker faults. Some seeds stage their heterogeneous-TP
 //! rooms through the decodes' rings with kvx-staging's real state machines (`STAGING_REQ/RSP`,
 //! `WATERMARK`, `CHUNK_READY`, the prefill's probes reporting `SessionLost` for a dead decode),
-//! and some send aux rows as `AUX_DATA`. Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are checked at every step, and a failing seed is
-//! replayed with a trace of the events of the room that broke one.
+//! some send aux rows as `AUX_DATA`, and some carry a state component (a slot per room).
+//! Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are checked at every
+//! step, and a failing seed is replayed with a trace of the events of the room that broke one.
 //!
 //! `cargo xtask sim [--seed S] [--steps N] [--mutant NAME]` runs the `kvx-sim` binary.
 

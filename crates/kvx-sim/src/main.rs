@@ -60,6 +60,7 @@ fn main() -> ExitCode {
         stats.scattered += out.stats.scattered;
         stats.sessions_lost += out.stats.sessions_lost;
         stats.aux_rows += out.stats.aux_rows;
+        stats.state_slots += out.stats.state_slots;
         for (c, n) in checks.iter_mut().zip(out.checks) {
             *c += n;
         }
@@ -95,11 +96,12 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows, {} state slots){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.sessions_lost,
         stats.aux_rows,
+        stats.state_slots,
         mutant
             .map(|m| format!(", mutant {}", m.name()))
             .unwrap_or_default()

@@ -60,6 +60,9 @@ pub struct Scenario {
     pub staging: Option<StagingConfig>,
     /// The prefills send aux rows as `AUX_DATA` messages (`aux_over_tcp`).
     pub aux_tcp: bool,
+    /// The model has a state component (a MAMBA-like slot per room; equal-TP seeds only, as
+    /// the manager moves state only between equal attention TP).
+    pub state: bool,
     /// How long a crashed decode stays down before it restarts.
     pub decode_down: Nanos,
 }
@@ -142,6 +145,7 @@ impl Scenario {
             faulty,
             staging: None,
             aux_tcp: false,
+            state: false,
             decode_down: 200 * MS,
         };
         // One faulty seed in six is a restart storm: decodes crash and come back often while
@@ -160,6 +164,7 @@ impl Scenario {
     /// as it did before they existed, so the seeds kept as regressions keep their meaning.
     pub fn draw_features(&mut self, rng: &mut Rng) {
         self.aux_tcp = rng.below(4) == 0;
+        self.state = self.prefill_tp == self.decode_tp && rng.below(3) == 0;
         // Half of the heterogeneous-TP seeds stage their rooms.
         // Restart storms stay unstaged: they are where a data plane that ignores the instance
         // a session id names gets caught (staged chunks need a placement from the live

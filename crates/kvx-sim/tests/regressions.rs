@@ -76,7 +76,8 @@ fn ignore_watermark_is_caught() {
     caught(Mutant::IgnoreWatermark, Inv::RingWriteInLiveSlot);
 }
 
-/// Staged rooms, `SessionLost` and `AUX_DATA` over tcp run in the default budget's seeds.
+/// Staged rooms, `SessionLost`, `AUX_DATA` over tcp and state slots run in the default budget's
+/// seeds.
 #[test]
 fn the_new_paths_are_exercised() {
     let (mut ring, mut scatter, mut staged) = (0, 0, 0);

@@ -12,6 +12,7 @@ use kvx_core::{
 
 use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
 use crate::invariants::Inv;
+use crate::memory::{STATE_BUFFERS, STATE_ITEM};
 use crate::net::{Msg, Node};
 
 impl World {
@@ -23,11 +24,19 @@ impl World {
             session: decode_session(d, n.inc),
             kv_ptrs: n.mem.kv_ptrs(),
             aux_ptrs: n.mem.aux_ptrs(),
-            state_ptrs: Vec::new(),
+            state_ptrs: if self.sc.state {
+                vec![n.mem.state_ptrs()]
+            } else {
+                Vec::new()
+            },
             dst_tp_rank: d,
             dst_attn_tp_size: self.sc.decode_tp,
             dst_kv_item_len: n.mem.item_len(),
-            state_item_lens: Vec::new(),
+            state_item_lens: if self.sc.state {
+                vec![vec![STATE_ITEM as u32; STATE_BUFFERS]]
+            } else {
+                Vec::new()
+            },
             state_dim_per_tensor: Vec::new(),
             kv_layer_ids: Vec::new(),
             state_layer_ids: Vec::new(),
@@ -154,9 +163,11 @@ impl World {
                     let mem = &mut self.decodes[d as usize].mem;
                     let bad_page =
                         (0..pages.len()).find(|&k| !mem.kv_page(room, k as u64, pages[k], true));
-                    let aux_ok = mem.aux_row(room, row, true);
+                    let aux_ok = mem.aux_row(room, row, true)
+                        && (!self.sc.state || mem.state_slot(room, row, true));
+                    self.stats.state_slots += u64::from(self.sc.state);
                     self.check.check(Inv::SuccessBytes, bad_page.is_none() && aux_ok, Some(room), || {
-                        format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row ok {aux_ok} differ from the prefill's")
+                        format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row and state slot ok {aux_ok} differ from the prefill's")
                     });
                     self.decode_release(d, room);
                 } else {
@@ -257,6 +268,7 @@ impl World {
                 generational_aborts: self.sc.v0523,
             },
         );
+        let state = self.sc.state;
         for t in &targets {
             let req = TransferRequest {
                 room,
@@ -265,7 +277,11 @@ impl World {
                 dst: (!t.dummy).then(|| Destination {
                     kv_pages: got.iter().map(|&p| p as i32).collect(),
                     aux_index: row as i64,
-                    state_indices: Vec::new(),
+                    state_indices: if state {
+                        vec![vec![row as i32]]
+                    } else {
+                        Vec::new()
+                    },
                 }),
                 required_dst_info_num: required_dst,
                 decode_prefix_len: Some(0),

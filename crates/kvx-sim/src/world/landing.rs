@@ -1,15 +1,16 @@
 //! Where bytes reach a decode, and what each write is checked against: a window of a batch
-//! landing in the decode's pages or aux rows, an `AUX_DATA` row arriving over the control plane,
-//! and a staged chunk landing in the decode's ring. Every write is checked against what the
-//! decode knows of the room (statuses, `ABORT_ACK`s, release, page and row ownership) before a
-//! byte is copied; ring writes also against the ring's live slots ([`Inv::RingWriteInLiveSlot`]).
+//! landing in the decode's pages, aux rows or state slots, an `AUX_DATA` row arriving over the
+//! control plane, and a staged chunk landing in the decode's ring. Every write is checked against
+//! what the decode knows of the room (statuses, `ABORT_ACK`s, release, page, row and slot
+//! ownership) before a byte is copied; ring writes also against the ring's live slots
+//! ([`Inv::RingWriteInLiveSlot`]).
 
 use kvx_core::{Room, TransferOp};
 
 use super::World;
 use crate::data::{Job, Landing};
 use crate::invariants::Inv;
-use crate::memory::{AUX_ROW_LENS, Loc};
+use crate::memory::{AUX_ROW_LENS, Loc, STATE_ITEM};
 
 impl World {
     /// A window lands on its decode: a staged chunk into the ring, else every op is checked and
@@ -115,6 +116,10 @@ impl World {
                     .map(|r| dn.row_owner.get(r as usize).copied().flatten())
                     .collect()
             }
+            // A room's state slot is its aux row.
+            Loc::State { off, .. } => (off / STATE_ITEM..=(off + len.max(1) - 1) / STATE_ITEM)
+                .map(|r| dn.row_owner.get(r as usize).copied().flatten())
+                .collect(),
         };
         let dr = dn.rooms.get(&room);
         let acked = dr.is_some_and(|r| r.acked.contains(&p));

@@ -263,6 +263,8 @@ pub struct Stats {
     pub sessions_lost: u64,
     /// `AUX_DATA` rows written into a decode.
     pub aux_rows: u64,
+    /// Successful rooms whose state slot was verified.
+    pub state_slots: u64,
 }
 
 /// The trace of one room kept while replaying a failing seed.

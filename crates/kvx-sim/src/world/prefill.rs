@@ -35,7 +35,11 @@ impl World {
         let local = LocalMemory {
             kv: mem.kv_layout(),
             aux: mem.aux_layout(),
-            state: Vec::new(),
+            state: if self.sc.state {
+                vec![mem.state_component()]
+            } else {
+                Vec::new()
+            },
         };
         #[allow(unused_mut)]
         let mut mgr = PrefillManager::new(cfg, local);
@@ -360,6 +364,9 @@ impl World {
             return;
         };
         n.mem.aux_row(room, row, false);
+        if self.sc.state {
+            n.mem.state_slot(room, row, false);
+        }
         n.rooms.insert(room, super::PRoom { src, row });
         n.awaiting.insert(room);
         if let Some(rec) = self.rooms.get_mut(&room) {
@@ -391,6 +398,7 @@ impl World {
             return;
         };
         let src: Vec<u64> = pr.src[a..b].to_vec();
+        let slot = pr.row as i32;
         for (i, &page) in src.iter().enumerate() {
             n.mem.kv_page(room, (a + i) as u64, page, false);
         }
@@ -398,6 +406,9 @@ impl World {
         let mut chunk = Chunk::new(slice, src.iter().map(|&s| s as i32).collect());
         if last {
             chunk = chunk.last();
+            if self.sc.state {
+                chunk.src_state = vec![vec![slot]];
+            }
         }
         self.prefill_event(p, PrefillEvent::Chunk { room, chunk });
         if !last && self.prefills[p as usize].mgr.poll(room).is_some() {
