@@ -12,6 +12,7 @@ mod decode;
 mod landing;
 mod nodes;
 mod prefill;
+mod prefill_stager;
 mod stage_decode;
 mod stage_prefill;
 
