@@ -8,12 +8,14 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 5] = [
+pub const MUTANTS: [&str; 7] = [
     "late-write",
     "early-ack",
     "lost-status",
     "leak",
     "any-instance",
+    "early-slot-reuse",
+    "ignore-watermark",
 ];
 
 /// Options of `cargo xtask sim`.
@@ -25,7 +27,8 @@ pub struct Opts {
     /// Step budget (default 1,000,000; the long profile is 100,000,000).
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Run with a planted bug (late-write, early-ack, lost-status, leak).
+    /// Run with a planted bug (late-write, early-ack, lost-status, leak, any-instance,
+    /// early-slot-reuse, ignore-watermark).
     #[arg(long)]
     pub mutant: Option<String>,
 }

@@ -7,7 +7,8 @@
 //! fails; the others keep landing), and a peer that dies (every connection to it fails, and a
 //! batch posted while it is down fails at once). The contract — what the managers rely on — is
 //! that a batch is answered only once nothing of it can still reach the peer, i.e. when every
-//! window landed or failed. The `late-write` mutant breaks exactly that.
+//! window landed or failed. The `late-write` mutant breaks exactly that. A staged chunk is one
+//! write whose bytes were gathered when it was posted ([`Job::Stage`], [`Write::payload`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -51,6 +52,34 @@ pub enum BatchResult {
     Rejected(String),
 }
 
+/// What a posted batch carries out for the prefill driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Job {
+    /// A manager batch (`PostBatch`): its ops copy prefill memory to decode memory.
+    Batch(BatchId),
+    /// A staged chunk's one write into the decode's ring (the staging driver's work `work`, the
+    /// chunk `chunk` of the grid); its bytes were gathered when it was posted.
+    Stage {
+        /// The staging driver's work id.
+        work: u64,
+        /// The chunk index.
+        chunk: u32,
+    },
+}
+
+/// A post to the data plane.
+#[derive(Clone, Debug)]
+pub struct Write {
+    /// The room.
+    pub room: Room,
+    /// What it carries out.
+    pub id: Job,
+    /// The writes.
+    pub ops: Vec<TransferOp>,
+    /// For a staged chunk, the gathered bytes of its one op.
+    pub payload: Option<Vec<u8>>,
+}
+
 /// A batch's answer, for the prefill driver.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answer {
@@ -60,8 +89,8 @@ pub struct Answer {
     pub p_inc: u32,
     /// The room.
     pub room: Room,
-    /// The manager's batch id.
-    pub id: BatchId,
+    /// What the batch carried out.
+    pub id: Job,
     /// The outcome.
     pub result: BatchResult,
 }
@@ -117,8 +146,9 @@ pub struct Batch {
     pub d_inc: u32,
     /// The room.
     pub room: Room,
-    /// The manager's id.
-    pub id: BatchId,
+    /// What it carries out.
+    pub id: Job,
+    payload: Option<Vec<u8>>,
     windows: Vec<Window>,
     pending: usize,
     lost: bool,
@@ -156,6 +186,10 @@ pub struct Landing {
     pub room: Room,
     /// The writes.
     pub ops: Vec<TransferOp>,
+    /// What the batch carries out.
+    pub id: Job,
+    /// A staged chunk's bytes (its one op's source), else `None`: the ops read prefill memory.
+    pub payload: Option<Vec<u8>>,
 }
 
 impl Data {
@@ -176,18 +210,21 @@ impl Data {
     }
 
     /// Posts a batch; returns what to schedule, or an immediate answer (peer down).
-    #[allow(clippy::too_many_arguments)]
     pub fn post(
         &mut self,
         rng: &mut Rng,
         now: Nanos,
         (p, p_inc): (u32, u32),
         (d, d_inc): (u32, u32),
-        room: Room,
-        id: BatchId,
-        ops: Vec<TransferOp>,
+        write: Write,
         sched: &mut Vec<(Nanos, DataEv)>,
     ) -> Option<Answer> {
+        let Write {
+            room,
+            id,
+            ops,
+            payload,
+        } = write;
         if self.down.contains(&d) {
             return Some(Answer {
                 p,
@@ -245,6 +282,7 @@ impl Data {
             d_inc,
             room,
             id,
+            payload,
             windows,
             pending,
             lost: false,
@@ -290,6 +328,8 @@ impl Data {
                 d_inc: b.d_inc,
                 room: b.room,
                 ops: w.ops.clone(),
+                id: b.id,
+                payload: b.payload.clone(),
             })
         };
         let answer = self.settle(key);

@@ -32,11 +32,19 @@ pub enum Inv {
     NoLeak,
     /// After a fatal worker fault, every room open on that rank ends Failed on both sides.
     FatalFailsOpenRooms,
+    /// A staged chunk's write lands only in a live ring slot granted to that chunk, and never
+    /// over an older slot still live there (the watermark admitted it).
+    RingWriteInLiveSlot,
+    /// A scatter copies out only bytes its own chunk's writers put in the slot (no later write
+    /// reused the slot before the copy-out finished).
+    ScatterOwnBytes,
+    /// A staged room's decode Success comes only once every chunk was scattered into its pages.
+    StagedSuccessDrained,
 }
 
 impl Inv {
     /// Every invariant, in report order.
-    pub const ALL: [Inv; 10] = [
+    pub const ALL: [Inv; 13] = [
         Inv::StatusMonotonic,
         Inv::TerminalInTime,
         Inv::OutcomeDelivered,
@@ -47,6 +55,9 @@ impl Inv {
         Inv::SuccessBytes,
         Inv::NoLeak,
         Inv::FatalFailsOpenRooms,
+        Inv::RingWriteInLiveSlot,
+        Inv::ScatterOwnBytes,
+        Inv::StagedSuccessDrained,
     ];
 
     /// The report name.
@@ -62,6 +73,9 @@ impl Inv {
             Inv::SuccessBytes => "success-bytes",
             Inv::NoLeak => "no-leak",
             Inv::FatalFailsOpenRooms => "fatal-fails-open-rooms",
+            Inv::RingWriteInLiveSlot => "ring-write-in-live-slot",
+            Inv::ScatterOwnBytes => "scatter-own-bytes",
+            Inv::StagedSuccessDrained => "staged-success-drained",
         }
     }
 }
@@ -93,7 +107,7 @@ impl fmt::Display for Violation {
 #[derive(Clone, Debug, Default)]
 pub struct Checker {
     /// Checks per invariant (index = position in [`Inv::ALL`]).
-    pub checks: [u64; 10],
+    pub checks: [u64; Inv::ALL.len()],
     /// Violations, in order.
     pub violations: Vec<Violation>,
     /// The current step (set by the world).

@@ -6,9 +6,12 @@
 //! a simulated data plane implementing the `Transport` contract with faults (rejected writes,
 //! failing connections, slow windows, decodes that die and come back under the same session
 //! id), and simulated time — with several prefill and decode ranks (TP fan-in and fan-out),
-//! local aborts on both sides, and fatal worker faults. Everything derives from one `u64`
-//! seed; invariants ([`invariants::Inv`]) are checked at every step, and a failing seed is
-//! replayed with a trace of the events of the room that broke one.
+//! local aborts on both sides, and fatal worker faults. Some seeds stage their heterogeneous-TP
+//! rooms through the decodes' rings with kvx-staging's real state machines (`STAGING_REQ/RSP`,
+//! `WATERMARK`, `CHUNK_READY`, the prefill's probes reporting `SessionLost` for a dead decode),
+//! some send aux rows as `AUX_DATA`, and some carry a state component (a slot per room).
+//! Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are checked at every
+//! step, and a failing seed is replayed with a trace of the events of the room that broke one.
 //!
 //! `cargo xtask sim [--seed S] [--steps N] [--mutant NAME]` runs the `kvx-sim` binary.
 
@@ -29,6 +32,7 @@ use std::time::Instant;
 
 use invariants::{Inv, Violation};
 use mutants::Mutant;
+pub use world::Stats;
 use world::{Trace, World};
 
 /// The outcome of one seed.
@@ -42,6 +46,8 @@ pub struct SeedOutcome {
     pub checks: [u64; Inv::ALL.len()],
     /// Violations (the run stops at the first).
     pub violations: Vec<Violation>,
+    /// How often the rarer paths ran.
+    pub stats: Stats,
 }
 
 /// Runs one seed to quiescence (or its first violation).
@@ -53,6 +59,7 @@ pub fn run_seed(seed: u64, mutant: Option<Mutant>) -> SeedOutcome {
         steps: w.steps,
         checks: w.check.checks,
         violations: w.check.violations,
+        stats: w.stats,
     }
 }
 

@@ -48,6 +48,7 @@ fn main() -> ExitCode {
     let mut checks = [0u64; Inv::ALL.len()];
     let mut violations = Vec::new();
     let (mut total, mut seeds) = (0u64, 0u64);
+    let mut stats = kvx_sim::Stats::default();
     let mut next = seed.unwrap_or(first);
     loop {
         let Ok(out) = std::panic::catch_unwind(|| run_seed(next, mutant)) else {
@@ -56,6 +57,10 @@ fn main() -> ExitCode {
         };
         total += out.steps;
         seeds += 1;
+        stats.scattered += out.stats.scattered;
+        stats.sessions_lost += out.stats.sessions_lost;
+        stats.aux_rows += out.stats.aux_rows;
+        stats.state_slots += out.stats.state_slots;
         for (c, n) in checks.iter_mut().zip(out.checks) {
             *c += n;
         }
@@ -91,8 +96,12 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows, {} state slots){}",
         total as f64 / secs.max(1e-9),
+        stats.scattered,
+        stats.sessions_lost,
+        stats.aux_rows,
+        stats.state_slots,
         mutant
             .map(|m| format!(", mutant {}", m.name()))
             .unwrap_or_default()

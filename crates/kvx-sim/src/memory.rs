@@ -6,8 +6,11 @@
 //! value is a function of (room, buffer, global token, global head, byte), so a decode can check a
 //! room byte for byte whatever the two TP sizes are; an aux byte is a function of (room, buffer,
 //! byte), and the room row holds the room id (u64 LE) written by the prefill's `FillRoomRow`.
+//! Seeds with a state component also hold two state tensors with one slot per room (a room's
+//! slot index is its aux row), a state byte a function of (room, tensor, TP rank, byte).
 
 use kvx_core::layout::AuxLayout;
+use kvx_core::layout::{StateComponent, StateKind};
 use kvx_core::{Buffer, KvLayout, Room};
 
 use crate::rng::mix;
@@ -26,6 +29,10 @@ pub const HEAD_BYTES: u64 = 2;
 pub const AUX_ROW_LENS: [u64; 10] = [8, 8, 8, 8, 16, 16, 8, 8, 8, 8];
 /// The bootstrap-room aux buffer.
 pub const ROOM_INDEX: usize = 9;
+/// Tensors of the one state component (a MAMBA-like slot per room).
+pub const STATE_BUFFERS: usize = 2;
+/// Bytes of one state slot of one tensor.
+pub const STATE_ITEM: u64 = 12;
 
 /// Bytes per KV page on a rank of attention-TP size `tp`.
 pub fn item_len(tp: u32) -> u64 {
@@ -42,6 +49,12 @@ pub fn aux_byte(room: Room, buf: usize, byte: u64) -> u8 {
     (mix(&[room.get(), 0xa0 + buf as u64, byte]) >> 23) as u8
 }
 
+/// Expected value of one state byte of TP rank `tp_rank` (the state is sharded by TP rank, so
+/// a slot landing on another rank's decode is seen).
+pub fn state_byte(room: Room, buf: usize, tp_rank: u32, byte: u64) -> u8 {
+    (mix(&[room.get(), 0xb0 + buf as u64, u64::from(tp_rank), byte]) >> 29) as u8
+}
+
 /// Where an address falls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Loc {
@@ -55,6 +68,13 @@ pub enum Loc {
     /// Aux buffer `buf`, byte offset `off`.
     Aux {
         /// Buffer index.
+        buf: usize,
+        /// Offset in the buffer.
+        off: u64,
+    },
+    /// State tensor `buf`, byte offset `off`.
+    State {
+        /// Tensor index.
         buf: usize,
         /// Offset in the buffer.
         off: u64,
@@ -76,9 +96,11 @@ pub struct RankMemory {
     pub rows: u64,
     kv: Vec<Vec<u8>>,
     aux: Vec<Vec<u8>>,
+    state: Vec<Vec<u8>>,
 }
 
 const AUX_STRIDE: u64 = 0x1_0000;
+const STATE_OFFSET: u64 = 0x4000_0000;
 
 impl RankMemory {
     /// Zeroed memory at `base` for a rank of TP size `tp`.
@@ -96,6 +118,7 @@ impl RankMemory {
                 .iter()
                 .map(|&l| vec![0; (l * rows) as usize])
                 .collect(),
+            state: vec![vec![0; (STATE_ITEM * rows) as usize]; STATE_BUFFERS],
         }
     }
 
@@ -104,6 +127,7 @@ impl RankMemory {
         self.kv
             .iter_mut()
             .chain(self.aux.iter_mut())
+            .chain(self.state.iter_mut())
             .for_each(|b| b.fill(0));
     }
 
@@ -125,6 +149,22 @@ impl RankMemory {
     /// Every KV buffer's address.
     pub fn kv_ptrs(&self) -> Vec<u64> {
         (0..KV_BUFFERS).map(|b| self.kv_addr(b)).collect()
+    }
+
+    /// Address of state tensor `buf` (one slot per aux row: a room's slot is its row).
+    pub fn state_addr(&self, buf: usize) -> u64 {
+        self.kv_base + STATE_OFFSET + buf as u64 * AUX_STRIDE
+    }
+
+    /// Every state tensor's address.
+    pub fn state_ptrs(&self) -> Vec<u64> {
+        (0..STATE_BUFFERS).map(|b| self.state_addr(b)).collect()
+    }
+
+    /// The state component the planner sees (a slot per room, like MAMBA's).
+    pub fn state_component(&self) -> StateComponent {
+        let buf = |b| Buffer::new(self.state_addr(b), STATE_ITEM, STATE_ITEM * self.rows);
+        StateComponent::new(StateKind::Slot, (0..STATE_BUFFERS).map(buf).collect())
     }
 
     /// Every aux buffer's address.
@@ -157,6 +197,12 @@ impl RankMemory {
             let (buf, off) = ((rel / kv_len) as usize, rel % kv_len);
             return (off + len <= kv_len).then_some(Loc::Kv { buf, off });
         }
+        let state = self.kv_base + STATE_OFFSET;
+        if addr >= state && addr < state + STATE_BUFFERS as u64 * AUX_STRIDE {
+            let rel = addr - state;
+            let (buf, off) = ((rel / AUX_STRIDE) as usize, rel % AUX_STRIDE);
+            return (off + len <= STATE_ITEM * self.rows).then_some(Loc::State { buf, off });
+        }
         if addr >= self.aux_base {
             let rel = addr - self.aux_base;
             let (buf, off) = ((rel / AUX_STRIDE) as usize, rel % AUX_STRIDE);
@@ -166,11 +212,32 @@ impl RankMemory {
         None
     }
 
+    /// The KV buffers (`[K layers…, V layers…]`), as staging's gather and scatter take them.
+    pub fn kv_bufs(&self) -> &[Vec<u8>] {
+        &self.kv
+    }
+
+    /// The KV buffers, mutable (a decode's scatter).
+    pub fn kv_bufs_mut(&mut self) -> &mut [Vec<u8>] {
+        &mut self.kv
+    }
+
+    /// True when `len` bytes at `loc` lie inside its buffer.
+    pub fn bytes_checked(&self, loc: Loc, len: u64) -> bool {
+        let (buf, off) = match loc {
+            Loc::Kv { buf, off } => (self.kv.get(buf), off),
+            Loc::Aux { buf, off } => (self.aux.get(buf), off),
+            Loc::State { buf, off } => (self.state.get(buf), off),
+        };
+        buf.is_some_and(|b| off.checked_add(len).is_some_and(|e| e <= b.len() as u64))
+    }
+
     /// The bytes at a location.
     pub fn bytes(&self, loc: Loc, len: u64) -> &[u8] {
         match loc {
             Loc::Kv { buf, off } => &self.kv[buf][off as usize..(off + len) as usize],
             Loc::Aux { buf, off } => &self.aux[buf][off as usize..(off + len) as usize],
+            Loc::State { buf, off } => &self.state[buf][off as usize..(off + len) as usize],
         }
     }
 
@@ -179,6 +246,7 @@ impl RankMemory {
         match loc {
             Loc::Kv { buf, off } => &mut self.kv[buf][off as usize..(off + len) as usize],
             Loc::Aux { buf, off } => &mut self.aux[buf][off as usize..(off + len) as usize],
+            Loc::State { buf, off } => &mut self.state[buf][off as usize..(off + len) as usize],
         }
     }
 
@@ -207,6 +275,27 @@ impl RankMemory {
                             *cell = want;
                         }
                     }
+                }
+            }
+        }
+        true
+    }
+
+    /// Writes (or with `check`, compares) room `room`'s state in slot `slot` of every tensor.
+    pub fn state_slot(&mut self, room: Room, slot: u64, check: bool) -> bool {
+        let tp_rank = self.tp_rank;
+        for (buf, tensor) in self.state.iter_mut().enumerate() {
+            for b in 0..STATE_ITEM {
+                let want = state_byte(room, buf, tp_rank, b);
+                let Some(cell) = tensor.get_mut((slot * STATE_ITEM + b) as usize) else {
+                    return false;
+                };
+                if check {
+                    if *cell != want {
+                        return false;
+                    }
+                } else {
+                    *cell = want;
                 }
             }
         }

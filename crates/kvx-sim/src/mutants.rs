@@ -3,8 +3,11 @@
 //!
 //! `late-write` breaks the simulated transport (a failed batch is answered while some of its
 //! windows are still in flight) and `any-instance` its handshake (a session id naming a process
-//! instance reaches whatever process now listens at its address); the others arm kvx-core's test-only hook (feature
-//! `sim-mutants`, enabled by this crate's `mutants` feature) inside the real `PrefillManager`.
+//! instance reaches whatever process now listens at its address); `early-slot-reuse` breaks the
+//! simulated decode's staging driver (a ring slot freed before its copy-out) and
+//! `ignore-watermark` the prefill's (a chunk written before the watermark admits it); the
+//! others arm kvx-core's test-only hook (feature `sim-mutants`, enabled by this crate's
+//! `mutants` feature) inside the real `PrefillManager`.
 
 /// A deliberately broken rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -20,16 +23,24 @@ pub enum Mutant {
     /// The transport writes to whatever process listens at a session id's address, ignoring
     /// the instance the id names (a decode that restarted there gets the old rooms' chunks).
     AnyInstance,
+    /// The decode frees a staged chunk's ring slot (and sends the new watermark) before its
+    /// copy-out into the room's pages ran, so a later chunk may be written over it first.
+    EarlySlotReuse,
+    /// The prefill's staging driver writes a chunk as soon as its placement is known, without
+    /// waiting for the decode's watermark to admit it (over an older slot still live).
+    IgnoreWatermark,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 5] = [
+    pub const ALL: [Mutant; 7] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
         Mutant::Leak,
         Mutant::AnyInstance,
+        Mutant::EarlySlotReuse,
+        Mutant::IgnoreWatermark,
     ];
 
     /// The command-line name.
@@ -40,6 +51,8 @@ impl Mutant {
             Mutant::LostStatus => "lost-status",
             Mutant::Leak => "leak",
             Mutant::AnyInstance => "any-instance",
+            Mutant::EarlySlotReuse => "early-slot-reuse",
+            Mutant::IgnoreWatermark => "ignore-watermark",
         }
     }
 
@@ -50,7 +63,13 @@ impl Mutant {
 
     /// True when the mutant lives in kvx-core (needs the `mutants` feature).
     pub fn in_core(self) -> bool {
-        !matches!(self, Mutant::LateWrite | Mutant::AnyInstance)
+        !matches!(
+            self,
+            Mutant::LateWrite
+                | Mutant::AnyInstance
+                | Mutant::EarlySlotReuse
+                | Mutant::IgnoreWatermark
+        )
     }
 
     /// The kvx-core hook for this mutant, when it is one and the feature is on.
@@ -58,7 +77,10 @@ impl Mutant {
     pub fn core(self) -> Option<kvx_core::prefill::mutant::SimMutant> {
         use kvx_core::prefill::mutant::SimMutant;
         match self {
-            Mutant::LateWrite | Mutant::AnyInstance => None,
+            Mutant::LateWrite
+            | Mutant::AnyInstance
+            | Mutant::EarlySlotReuse
+            | Mutant::IgnoreWatermark => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),

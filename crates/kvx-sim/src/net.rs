@@ -5,13 +5,15 @@
 //! independent, so messages of different links overtake each other freely. A send may fail
 //! (the message is dropped: the room it concerns is marked as excused from the "told by its
 //! status" liveness rule), and idempotent messages (status, `ABORT`, `ABORT_ACK`) may be
-//! delivered twice, as a retry after a reconnect can do. Registrations and metadata are never
-//! dropped nor duplicated (the decode re-sends them only on a restart). Messages to a rank that
-//! restarted in between are lost on delivery (the world checks the receiver's incarnation).
+//! delivered twice, as a retry after a reconnect can do. Registrations, metadata, `AUX_DATA` and
+//! the staging messages are never dropped nor duplicated (the decode re-sends registrations and
+//! metadata only on a restart). Messages to a rank that restarted in between are lost on
+//! delivery (the world checks the receiver's incarnation).
 
 use std::collections::BTreeMap;
 
 use kvx_core::{DecodeRegistration, KVPoll, Room, TransferRequest};
+use kvx_staging::{ChunkReady, StagingReq, StagingRsp, WatermarkMsg};
 
 use crate::clock::{Nanos, US};
 use crate::rng::Rng;
@@ -61,6 +63,25 @@ pub enum Msg {
         /// The echoed generation.
         generation: Option<u64>,
     },
+    /// Prefill → decode `AUX_DATA`: one aux row (`aux_over_tcp`), ahead of the room's status.
+    AuxData {
+        /// The room.
+        room: Room,
+        /// Aux buffer index.
+        index: usize,
+        /// Decode row.
+        row: u64,
+        /// The row's bytes.
+        data: Vec<u8>,
+    },
+    /// Prefill → decode `STAGING_REQ`.
+    StagingReq(StagingReq),
+    /// Decode → prefill `STAGING_RSP`.
+    StagingRsp(StagingRsp),
+    /// Decode → prefill `WATERMARK`.
+    Watermark(WatermarkMsg),
+    /// Prefill → decode `CHUNK_READY` (after the chunk's write landed).
+    ChunkReady(ChunkReady),
 }
 
 impl Msg {
@@ -69,9 +90,14 @@ impl Msg {
         match self {
             Msg::Register(_) => None,
             Msg::Metadata(m) => Some(m.room),
-            Msg::Abort { room, .. } | Msg::Status { room, .. } | Msg::AbortAck { room, .. } => {
-                Some(*room)
-            }
+            Msg::Abort { room, .. }
+            | Msg::Status { room, .. }
+            | Msg::AbortAck { room, .. }
+            | Msg::AuxData { room, .. } => Some(*room),
+            Msg::StagingReq(m) => Some(m.room),
+            Msg::StagingRsp(m) => Some(m.room),
+            Msg::ChunkReady(m) => Some(m.room),
+            Msg::Watermark(_) => None,
         }
     }
 

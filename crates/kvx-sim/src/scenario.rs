@@ -7,6 +7,7 @@ use kvx_core::BatchLimits;
 
 use crate::clock::{MS, Nanos, SEC, US};
 use crate::data::DataConfig;
+use crate::memory::{HEAD_BYTES, KV_BUFFERS, PAGE_SIZE, TOTAL_HEADS};
 use crate::net::NetConfig;
 use crate::rng::Rng;
 
@@ -53,6 +54,34 @@ pub struct Scenario {
     pub release_timeout: Nanos,
     /// Slack beyond the timeouts before a room must be terminal (message delays).
     pub slack: Nanos,
+    /// Faults were drawn (a third of the seeds run without any).
+    pub faulty: bool,
+    /// Staged rooms (heterogeneous TP through the decodes' staging rings), when drawn.
+    pub staging: Option<StagingConfig>,
+    /// The prefills send aux rows as `AUX_DATA` messages (`aux_over_tcp`).
+    pub aux_tcp: bool,
+    /// The model has a state component (a MAMBA-like slot per room; equal-TP seeds only, as
+    /// the manager moves state only between equal attention TP).
+    pub state: bool,
+    /// How long a crashed decode stays down before it restarts.
+    pub decode_down: Nanos,
+}
+
+/// The staging parameters of a seed whose rooms go through the decodes' rings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    /// Pages per full grid chunk.
+    pub grid_pages: u64,
+    /// Bytes of each decode rank's ring.
+    pub ring_bytes: u64,
+    /// A chunk parked this long (no ring space) fails its room (kvx's `staging_wait_timeout`).
+    pub wait_timeout: Nanos,
+    /// The prefill's staging housekeeping period (expiry, forgotten rooms, probes).
+    pub housekeeping: Nanos,
+    /// How often a decode session that staged rooms wait on is probed.
+    pub probe_period: Nanos,
+    /// The gap between the two connects of one probe.
+    pub probe_retry: Nanos,
 }
 
 impl Scenario {
@@ -113,6 +142,11 @@ impl Scenario {
             failed_session_ttl: rng.range(100 * MS, 2 * SEC),
             release_timeout: 8 * SEC,
             slack: 400 * MS,
+            faulty,
+            staging: None,
+            aux_tcp: false,
+            state: false,
+            decode_down: 200 * MS,
         };
         // One faulty seed in six is a restart storm: decodes crash and come back often while
         // many control messages crawl, so metadata sent by one incarnation keeps reaching
@@ -123,6 +157,49 @@ impl Scenario {
             sc.net.slow_ppm = rng.range(100_000, 300_000) as u32;
         }
         sc
+    }
+
+    /// Draws the features added after the first scenarios (staging, `AUX_DATA` over tcp, long
+    /// decode outages) from `rng`, a generator of their own: a seed without them runs exactly
+    /// as it did before they existed, so the seeds kept as regressions keep their meaning.
+    pub fn draw_features(&mut self, rng: &mut Rng) {
+        self.aux_tcp = rng.below(4) == 0;
+        self.state = self.prefill_tp == self.decode_tp && rng.below(3) == 0;
+        // Half of the heterogeneous-TP seeds stage their rooms.
+        // Restart storms stay unstaged: they are where a data plane that ignores the instance
+        // a session id names gets caught (staged chunks need a placement from the live
+        // process, so staging hides that bug). Staged seeds draw their own outages below.
+        let storm = self.decode_crash_ppm >= 50_000;
+        if self.prefill_tp != self.decode_tp && rng.below(2) == 0 && !storm {
+            let grid_pages = rng.range(1, 3);
+            let heads = u64::from(TOTAL_HEADS / self.decode_tp);
+            let page_bytes = u64::from(PAGE_SIZE) * heads * HEAD_BYTES * KV_BUFFERS as u64;
+            let chunk = grid_pages * page_bytes;
+            // From a ring smaller than one chunk (some rooms are oversized) to four chunks:
+            // small rings wrap all the time, so writers wait for watermarks.
+            let ring_bytes = if rng.below(10) == 0 {
+                rng.range(chunk / 2, chunk)
+            } else {
+                rng.range(chunk, 4 * chunk)
+            };
+            self.staging = Some(StagingConfig {
+                grid_pages,
+                ring_bytes,
+                wait_timeout: rng.range(2 * SEC, 5 * SEC),
+                housekeeping: SEC,
+                probe_period: 2 * SEC,
+                probe_retry: 500 * MS,
+            });
+            // Crashed decodes stay down long enough for the prefill's probes to notice (the
+            // staged rooms waiting on them fail by `SessionLost`); one faulty staged seed in
+            // four loses decodes often.
+            if self.decode_crash_ppm > 0 {
+                self.decode_down = rng.range(200 * MS, 4 * SEC);
+                if rng.below(4) == 0 {
+                    self.decode_crash_ppm = rng.range(20_000, 100_000) as u32;
+                }
+            }
+        }
     }
 
     /// A room must be terminal on every rank this long after it was spawned.

@@ -86,6 +86,10 @@ struct RoomState {
     notify_pending: bool,
     /// The room's entry in the deadline set (bootstrap timeout or unopened TTL).
     deadline: Option<Instant>,
+    /// `AUX_DATA` rows (`aux_over_tcp`) held until every batch of the room succeeded, then sent
+    /// just before the Success statuses: a row is never sent to a decode whose KV writes failed
+    /// (a decode restarted on the same address would write it into another room's row).
+    aux_out: Vec<PrefillAction>,
 }
 
 impl RoomState {
@@ -103,6 +107,7 @@ impl RoomState {
             pending_acks: Vec::new(),
             notify_pending: false,
             deadline: None,
+            aux_out: Vec::new(),
         }
     }
 
@@ -611,12 +616,13 @@ impl PrefillManager {
             out.push(PrefillAction::FillRoomRow { room, addr, len });
         }
         let mut posted = 0;
+        let mut aux_out = Vec::new();
         for (session, work) in works {
             if !work.aux_rows.is_empty()
                 && let Some(endpoint) = self.rooms.get(&room).and_then(|r| r.endpoint_of(&session))
             {
                 for row in &work.aux_rows {
-                    out.push(PrefillAction::SendAuxData {
+                    aux_out.push(PrefillAction::SendAuxData {
                         room,
                         endpoint: endpoint.clone(),
                         index: row.index,
@@ -652,6 +658,7 @@ impl PrefillManager {
         }
         if let Some(rs) = self.rooms.get_mut(&room) {
             rs.inflight += posted;
+            rs.aux_out.append(&mut aux_out);
         }
         self.maybe_succeed(room, out);
         Ok(())
@@ -879,6 +886,10 @@ impl PrefillManager {
             return;
         }
         rs.status = KVPoll::Success;
+        // The aux rows go on the status socket ahead of the statuses (found by kvx-sim, seed
+        // 121: sent with the last chunk, a row reached a decode that had restarted on the same
+        // address meanwhile, and landed in a row of one of its new rooms).
+        out.append(&mut rs.aux_out);
         for info in rs.infos.iter().filter(|i| !i.is_dummy()) {
             out.push(PrefillAction::SendStatus {
                 room,

@@ -960,8 +960,19 @@ fn aux_rows_over_tcp() {
     };
     let mut h = Harness::new(cfg);
     let r = room(81);
-    let a = h.one_page_room(r, 4);
-    assert!(matches!(a[0], PrefillAction::FillRoomRow { .. }));
+    let first = h.one_page_room(r, 4);
+    assert!(matches!(first[0], PrefillAction::FillRoomRow { .. }));
+    // The rows wait for every batch of the room to succeed.
+    assert!(
+        !first
+            .iter()
+            .any(|x| matches!(x, PrefillAction::SendAuxData { .. }))
+    );
+    // Only the KV batch is written; the rows, then Success, follow its completion.
+    let b = batches(&first);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].1.len(), 4);
+    let a = h.ev(done(b[0].0));
     let rows: Vec<(usize, u64, u64, u64)> = a
         .iter()
         .filter_map(|x| match x {
@@ -977,12 +988,31 @@ fn aux_rows_over_tcp() {
         .collect();
     assert_eq!(rows.len(), 10);
     assert_eq!(rows[9], (9, 7, AUX_P + (9 << 20) + 3 * 64, 64));
-    // Only the KV batch is written; Success follows its completion.
-    let b = batches(&a);
-    assert_eq!(b.len(), 1);
-    assert_eq!(b[0].1.len(), 4);
-    let a = h.ev(done(b[0].0));
+    assert!(matches!(a[10], PrefillAction::SendStatus { .. }));
     assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Success)]);
+}
+
+/// A room whose KV write fails sends no aux row (kvx-sim seed 121: the decode had restarted on
+/// the same address, and the row landed in one of its new rooms).
+#[test]
+fn aux_rows_over_tcp_are_not_sent_when_a_batch_fails() {
+    let cfg = PrefillConfig {
+        aux_over_tcp: true,
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    let r = room(83);
+    let first = h.one_page_room(r, 4);
+    let b = batches(&first);
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: b[0].0,
+        result: Err("peer restarted".into()),
+    });
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, PrefillAction::SendAuxData { .. }))
+    );
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
 }
 
 #[test]

@@ -7,12 +7,12 @@
 
 use kvx_core::decode::DecodeFailure;
 use kvx_core::{
-    DecodeAction, DecodeEvent, DecodeRegistration, Destination, KVPoll, Room, StagingRingInfo,
-    TransferRequest,
+    DecodeAction, DecodeEvent, DecodeRegistration, Destination, KVPoll, Room, TransferRequest,
 };
 
 use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
 use crate::invariants::Inv;
+use crate::memory::{STATE_BUFFERS, STATE_ITEM};
 use crate::net::{Msg, Node};
 
 impl World {
@@ -24,15 +24,27 @@ impl World {
             session: decode_session(d, n.inc),
             kv_ptrs: n.mem.kv_ptrs(),
             aux_ptrs: n.mem.aux_ptrs(),
-            state_ptrs: Vec::new(),
+            state_ptrs: if self.sc.state {
+                vec![n.mem.state_ptrs()]
+            } else {
+                Vec::new()
+            },
             dst_tp_rank: d,
             dst_attn_tp_size: self.sc.decode_tp,
             dst_kv_item_len: n.mem.item_len(),
-            state_item_lens: Vec::new(),
+            state_item_lens: if self.sc.state {
+                vec![vec![STATE_ITEM as u32; STATE_BUFFERS]]
+            } else {
+                Vec::new()
+            },
             state_dim_per_tensor: Vec::new(),
             kv_layer_ids: Vec::new(),
             state_layer_ids: Vec::new(),
-            staging: StagingRingInfo::default(),
+            staging: n
+                .stager
+                .as_ref()
+                .map(super::stage_decode::DecodeStager::ring_info)
+                .unwrap_or_default(),
             dcp_size: 1,
             dcp_rank: 0,
             staging_slot_layer_ids: self.sc.v0523.then(Vec::new),
@@ -138,14 +150,24 @@ impl World {
                     return;
                 };
                 dr.concluded = Some(status);
-                if status == KVPoll::Success {
+                let success = status == KVPoll::Success;
+                let drained = self.decode_staging_concluded(d, room, success);
+                self.check.check(Inv::StagedSuccessDrained, !success || drained, Some(room), || {
+                    format!("decode rank {d} reports Success before every staged chunk was scattered")
+                });
+                if success {
+                    let Some(dr) = self.decodes[d as usize].rooms.get(&room) else {
+                        return;
+                    };
                     let (pages, row) = (dr.pages.clone(), dr.row);
                     let mem = &mut self.decodes[d as usize].mem;
                     let bad_page =
                         (0..pages.len()).find(|&k| !mem.kv_page(room, k as u64, pages[k], true));
-                    let aux_ok = mem.aux_row(room, row, true);
+                    let aux_ok = mem.aux_row(room, row, true)
+                        && (!self.sc.state || mem.state_slot(room, row, true));
+                    self.stats.state_slots += u64::from(self.sc.state);
                     self.check.check(Inv::SuccessBytes, bad_page.is_none() && aux_ok, Some(room), || {
-                        format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row ok {aux_ok} differ from the prefill's")
+                        format!("decode rank {d} reports Success but page {bad_page:?} of {pages:?} / aux row and state slot ok {aux_ok} differ from the prefill's")
                     });
                     self.decode_release(d, room);
                 } else {
@@ -196,6 +218,7 @@ impl World {
         }
         n.row_owner[dr.row as usize] = None;
         n.free_rows.push(dr.row);
+        self.decode_staging_release(d, room);
     }
 
     /// Creates the room on rank `d`: pages, metadata to every target, waiting timeout armed.
@@ -224,6 +247,8 @@ impl World {
         if let Some(rec) = self.rooms.get_mut(&room) {
             rec.d_open.insert(d);
         }
+        // A staged room is registered with the ring before its metadata goes out.
+        self.decode_staging_register(d, room, &got);
         self.decode_event(
             d,
             DecodeEvent::Created {
@@ -243,6 +268,7 @@ impl World {
                 generational_aborts: self.sc.v0523,
             },
         );
+        let state = self.sc.state;
         for t in &targets {
             let req = TransferRequest {
                 room,
@@ -251,7 +277,11 @@ impl World {
                 dst: (!t.dummy).then(|| Destination {
                     kv_pages: got.iter().map(|&p| p as i32).collect(),
                     aux_index: row as i64,
-                    state_indices: Vec::new(),
+                    state_indices: if state {
+                        vec![vec![row as i32]]
+                    } else {
+                        Vec::new()
+                    },
                 }),
                 required_dst_info_num: required_dst,
                 decode_prefix_len: Some(0),
@@ -295,7 +325,7 @@ impl World {
         self.decode_event(d, DecodeEvent::Tick);
     }
 
-    pub(crate) fn decode_receive(&mut self, d: u32, msg: Msg) {
+    pub(crate) fn decode_receive(&mut self, d: u32, from: u32, msg: Msg) {
         match msg {
             Msg::Status {
                 room,
@@ -329,7 +359,35 @@ impl World {
                 }
                 self.maybe_release(d, room);
             }
-            Msg::Register(_) | Msg::Metadata(_) | Msg::Abort { .. } => {}
+            Msg::AuxData {
+                room,
+                index,
+                row,
+                data,
+            } => {
+                // The rule a decode needs (kvx's decode does not check it yet): a row is written
+                // only while the room it names holds that row. A prefill may send a row of a room
+                // of an earlier incarnation of this process (same address), or after the room
+                // was released (kvx-sim seed 121).
+                let n = &self.decodes[d as usize];
+                let owns = n
+                    .rooms
+                    .get(&room)
+                    .is_some_and(|r| r.row == row && !r.released);
+                if owns {
+                    self.apply_aux_data(from, d, room, (index, row), &data);
+                } else {
+                    self.trace_line(Some(room), || {
+                        format!("  decode {d} drops AUX_DATA row {row}: not its room's")
+                    });
+                }
+            }
+            Msg::StagingReq(_) | Msg::ChunkReady(_) => self.decode_staging_receive(d, msg),
+            Msg::Register(_)
+            | Msg::Metadata(_)
+            | Msg::Abort { .. }
+            | Msg::StagingRsp(_)
+            | Msg::Watermark(_) => {}
         }
     }
 
@@ -376,6 +434,9 @@ impl World {
         let mgr = self.new_decode_manager();
         let n = &mut self.decodes[d as usize];
         n.inc += 1;
+        let stager = self.new_decode_stager(d);
+        let n = &mut self.decodes[d as usize];
+        n.stager = stager;
         n.down = true;
         n.tick_at = None;
         n.mgr = mgr;
@@ -383,7 +444,7 @@ impl World {
         n.reset_pools();
         n.rooms.clear();
         n.last_poll.clear();
-        let at = self.clock.now() + 200 * crate::clock::MS;
+        let at = self.clock.now() + self.sc.decode_down;
         self.schedule(at, Ev::DecodeRestart { d });
     }
 

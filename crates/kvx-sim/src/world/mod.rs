@@ -9,8 +9,12 @@
 //! be terminal on every rank and every manager and driver must hold nothing per room.
 
 mod decode;
+mod landing;
 mod nodes;
 mod prefill;
+mod prefill_stager;
+mod stage_decode;
+mod stage_prefill;
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -29,6 +33,7 @@ use crate::mutants::Mutant;
 use crate::net::{Msg, Net, Node};
 use crate::rng::{Rng, mix};
 use crate::scenario::Scenario;
+use kvx_staging::ScatterJob;
 pub use nodes::{DRoom, DecodeNode, PRoom, PrefillNode};
 
 /// The prefill instance's bootstrap address (heartbeat key).
@@ -139,6 +144,35 @@ pub enum Ev {
         /// Rank.
         d: u32,
     },
+    /// Prefill rank `p`'s staging housekeeping (expiry, forgotten rooms, probes).
+    StagingHousekeeping {
+        /// Rank.
+        p: u32,
+        /// Incarnation.
+        inc: u32,
+    },
+    /// One connect of prefill rank `p`'s liveness probe of the decode behind `session`.
+    Probe {
+        /// Rank.
+        p: u32,
+        /// Incarnation.
+        inc: u32,
+        /// The decode session staged rooms wait on.
+        session: SessionId,
+        /// The second connect (a failure reports `SessionLost`).
+        retry: bool,
+    },
+    /// The `early-slot-reuse` mutant's copy-out of a chunk whose slot was already freed.
+    ScatterCopy {
+        /// Decode rank.
+        d: u32,
+        /// Its incarnation.
+        inc: u32,
+        /// The scatter.
+        job: ScatterJob,
+        /// The slot it was written in.
+        slot: u64,
+    },
 }
 
 impl Ev {
@@ -152,6 +186,7 @@ impl Ev {
             | Ev::PrefillAbort { room, .. }
             | Ev::Release { room, .. } => Some(*room),
             Ev::Answer(a) => Some(a.room),
+            Ev::ScatterCopy { job, .. } => Some(job.room),
             _ => None,
         }
     }
@@ -220,6 +255,19 @@ pub struct RoomRec {
     pub fatal: BTreeSet<u32>,
 }
 
+/// How often the rarer paths of a run were taken (so a test can tell they are exercised).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Staged chunks scattered from a ring into their pages.
+    pub scattered: u64,
+    /// `PrefillEvent::SessionLost` reports (a probed decode was gone).
+    pub sessions_lost: u64,
+    /// `AUX_DATA` rows written into a decode.
+    pub aux_rows: u64,
+    /// Successful rooms whose state slot was verified.
+    pub state_slots: u64,
+}
+
 /// The trace of one room kept while replaying a failing seed.
 #[derive(Clone, Debug, Default)]
 pub struct Trace {
@@ -249,6 +297,8 @@ pub struct World {
     pub check: Checker,
     /// Steps taken.
     pub steps: u64,
+    /// How often the rarer paths ran.
+    pub stats: Stats,
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
     pub(crate) pacts: Vec<PrefillAction>,
@@ -305,6 +355,7 @@ impl World {
     pub fn new(seed: u64, mutant: Option<Mutant>, base: Instant) -> Self {
         let mut rng = Rng::new(seed);
         let mut sc = Scenario::draw(&mut rng);
+        sc.draw_features(&mut Rng::new(mix(&[seed, 0x0057_a9e5])));
         sc.data.late_write = mutant == Some(Mutant::LateWrite);
         let mut w = World {
             room_base: (mix(&[seed]) & 0x7fff_ffff) << 24,
@@ -319,6 +370,7 @@ impl World {
             spawned: 0,
             check: Checker::default(),
             steps: 0,
+            stats: Stats::default(),
             mutant,
             trace: None,
             pacts: Vec::new(),
@@ -348,8 +400,10 @@ impl World {
                 exiting: false,
                 down: false,
                 tick_at: None,
+                stager: None,
             };
             node.reset_pools();
+            node.stager = w.new_prefill_stager();
             w.prefills.push(node);
         }
         for d in 0..w.sc.decode_tp {
@@ -388,9 +442,12 @@ impl World {
                 targets: m.targets,
                 required_dst: m.required_dst_info_num,
                 required_resp: m.required_prefill_response_num,
+                stager: None,
             };
             node.reset_pools();
             w.decodes.push(node);
+            let stager = w.new_decode_stager(d);
+            w.decodes[d as usize].stager = stager;
         }
         for d in 0..w.sc.decode_tp {
             w.register_everywhere(d);
@@ -536,7 +593,7 @@ impl World {
             {
                 self.excuse(msg.room());
             }
-            Ev::Deliver { to, inc, msg, .. } => match to {
+            Ev::Deliver { to, inc, msg, from } => match to {
                 Node::Prefill(p) => {
                     let n = &self.prefills[p as usize];
                     if n.inc != inc || n.down {
@@ -550,7 +607,11 @@ impl World {
                     if n.inc != inc || n.down {
                         self.excuse(msg.room());
                     } else {
-                        self.decode_receive(d, msg);
+                        let p = match from.0 {
+                            Node::Prefill(p) => p,
+                            Node::Decode(_) => return,
+                        };
+                        self.decode_receive(d, p, msg);
                     }
                 }
             },
@@ -596,6 +657,14 @@ impl World {
             Ev::HeartbeatLost { d } => self.decode_heartbeat_lost(d),
             Ev::DecodeCrash { d } => self.decode_crash(d),
             Ev::DecodeRestart { d } => self.decode_restart(d),
+            Ev::StagingHousekeeping { p, inc } => self.prefill_staging_housekeeping(p, inc),
+            Ev::Probe {
+                p,
+                inc,
+                session,
+                retry,
+            } => self.prefill_probe(p, inc, session, retry),
+            Ev::ScatterCopy { d, inc, job, slot } => self.decode_late_copy(d, inc, &job, slot),
         }
     }
 
@@ -751,6 +820,11 @@ impl World {
             self.check.check(Inv::NoLeak, held == 0 && free, None, || {
                 format!("prefill rank {p}: driver holds {held} rooms, pages/rows all free: {free}")
             });
+            if let Some(st) = &n.stager {
+                self.check.check(Inv::NoLeak, st.is_idle(), None, || {
+                    format!("prefill rank {p}: its stager holds {}", st.held())
+                });
+            }
         }
         for d in 0..self.decodes.len() {
             let n = &self.decodes[d];
@@ -762,6 +836,15 @@ impl World {
             self.check.check(Inv::NoLeak, unreleased == 0, None, || {
                 format!("decode rank {d}: {unreleased} rooms still hold pages")
             });
+            if let Some(st) = &n.stager {
+                let held = st.held();
+                self.check.check(Inv::NoLeak, held.is_none(), None, || {
+                    format!(
+                        "decode rank {d}: its ring holds {}",
+                        held.unwrap_or_default()
+                    )
+                });
+            }
         }
         let out = self.data.outstanding();
         self.check.check(Inv::NoLeak, out == 0, None, || {

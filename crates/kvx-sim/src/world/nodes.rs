@@ -9,6 +9,9 @@ use kvx_core::{DecodeManager, KVPoll, PrefillManager, Room};
 use crate::clock::Nanos;
 use crate::memory::RankMemory;
 
+use super::prefill_stager::PrefillStager;
+use super::stage_decode::DecodeStager;
+
 /// What a prefill driver holds for one opened room.
 #[derive(Clone, Debug)]
 pub struct PRoom {
@@ -47,6 +50,8 @@ pub struct PrefillNode {
     pub down: bool,
     /// When the next `Tick` is scheduled.
     pub tick_at: Option<Nanos>,
+    /// The staging driver, when the seed stages.
+    pub stager: Option<PrefillStager>,
 }
 
 /// What a decode driver holds for one room (kept after release, for the write checks).
@@ -99,6 +104,8 @@ pub struct DecodeNode {
     pub required_dst: u32,
     /// `required_prefill_response_num`.
     pub required_resp: u32,
+    /// The staging ring and its driver, when the seed stages.
+    pub stager: Option<DecodeStager>,
 }
 
 impl DecodeNode {

@@ -7,12 +7,12 @@
 use kvx_core::prefill::LocalMemory;
 use kvx_core::{
     Chunk, KVPoll, PageSlice, PrefillAction, PrefillConfig, PrefillEvent, PrefillManager, Room,
-    fill_room_row,
+    SessionId, fill_room_row,
 };
 
 use super::{Ev, World, decode_endpoint};
 use crate::clock::{MS, US, dur};
-use crate::data::{Answer, BatchResult};
+use crate::data::{Answer, BatchResult, Job, Write};
 use crate::invariants::Inv;
 use crate::memory::{RankMemory, TOTAL_HEADS};
 use crate::net::{Msg, Node};
@@ -28,12 +28,18 @@ impl World {
             failed_session_ttl: dur(self.sc.failed_session_ttl),
             unopened_room_ttl: dur(self.sc.bootstrap_timeout),
             batch_limits: self.sc.limits,
+            staging: self.sc.staging.is_some(),
+            aux_over_tcp: self.sc.aux_tcp,
             ..PrefillConfig::default()
         };
         let local = LocalMemory {
             kv: mem.kv_layout(),
             aux: mem.aux_layout(),
-            state: Vec::new(),
+            state: if self.sc.state {
+                vec![mem.state_component()]
+            } else {
+                Vec::new()
+            },
         };
         #[allow(unused_mut)]
         let mut mgr = PrefillManager::new(cfg, local);
@@ -43,7 +49,7 @@ impl World {
     }
 
     /// Feeds one event to rank `p`'s manager and performs what it asks.
-    fn prefill_event(&mut self, p: u32, ev: PrefillEvent) -> bool {
+    pub(crate) fn prefill_event(&mut self, p: u32, ev: PrefillEvent) -> bool {
         let room = event_room(&ev);
         let now = self.clock.instant();
         let mut out = std::mem::take(&mut self.pacts);
@@ -101,53 +107,48 @@ impl World {
                 ops,
                 ..
             } => {
-                let (d, named) = super::session_decode(&session, self.sc.decode_tp)
-                    .expect("sessions are the decodes'");
-                let p_inc = self.prefills[p as usize].inc;
-                let d_inc = self.decodes[d as usize].inc;
-                if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
-                    // The data plane's handshake: the address answers as another instance than
-                    // the one the session id names (`TransportError::PeerRestarted`).
-                    self.answer_later(Answer {
-                        p,
-                        p_inc,
-                        room,
-                        id: batch_id,
-                        result: BatchResult::Lost(format!(
-                            "peer {session} restarted: it is instance {d_inc:016x} now"
-                        )),
-                    });
-                    return;
-                }
-                let mut sched = Vec::new();
-                let answer = self.data.post(
-                    &mut self.rng,
-                    now,
-                    (p, p_inc),
-                    (d, d_inc),
+                let write = Write {
                     room,
-                    batch_id,
+                    id: Job::Batch(batch_id),
                     ops,
-                    &mut sched,
-                );
-                for (at, ev) in sched {
-                    self.schedule(at, Ev::Data(ev));
-                }
-                if let Some(a) = answer {
-                    self.answer_later(a);
-                }
+                    payload: None,
+                };
+                self.post_write(p, &session, write);
             }
-            PrefillAction::Stage { batch_id, room, .. } => {
-                // Staging is not simulated: complete the job without writing.
-                self.answer_later(Answer {
-                    p,
-                    p_inc: self.prefills[p as usize].inc,
+            PrefillAction::Stage {
+                room,
+                session,
+                batch_id,
+                slice,
+                src_pages,
+                ..
+            } => self.prefill_stage(p, room, session, batch_id, slice, src_pages),
+            PrefillAction::SendAuxData {
+                room,
+                endpoint,
+                index,
+                dst_row,
+                src_addr,
+                len,
+            } => {
+                let d = u32::from(endpoint.port - decode_endpoint(0).port);
+                let mem = &self.prefills[p as usize].mem;
+                let Some(loc) = mem.locate(src_addr, len) else {
+                    self.check
+                        .check(Inv::WriteInOwnedPage, false, Some(room), || {
+                            format!("prefill rank {p} sends an aux row from outside its memory")
+                        });
+                    return;
+                };
+                let data = mem.bytes(loc, len).to_vec();
+                let msg = Msg::AuxData {
                     room,
-                    id: batch_id,
-                    result: BatchResult::Ok,
-                });
+                    index,
+                    row: dst_row,
+                    data,
+                };
+                self.send(Node::Prefill(p), Node::Decode(d), msg);
             }
-            PrefillAction::SendAuxData { .. } => {}
             PrefillAction::SendStatus {
                 room,
                 endpoint,
@@ -194,7 +195,46 @@ impl World {
                     );
                 }
                 self.prefills[p as usize].concluded.insert(room);
+                self.prefill_staging_concluded(p, room);
             }
+        }
+    }
+
+    /// Posts a write to the decode its session names; the data plane's handshake refuses a
+    /// session id naming an earlier incarnation of the process at that address
+    /// (`TransportError::PeerRestarted`).
+    pub(crate) fn post_write(&mut self, p: u32, session: &SessionId, write: Write) {
+        let now = self.clock.now();
+        let (d, named) =
+            super::session_decode(session, self.sc.decode_tp).expect("sessions are the decodes'");
+        let p_inc = self.prefills[p as usize].inc;
+        let d_inc = self.decodes[d as usize].inc;
+        if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
+            self.answer_later(Answer {
+                p,
+                p_inc,
+                room: write.room,
+                id: write.id,
+                result: BatchResult::Lost(format!(
+                    "peer {session} restarted: it is instance {d_inc:016x} now"
+                )),
+            });
+            return;
+        }
+        let mut sched = Vec::new();
+        let answer = self.data.post(
+            &mut self.rng,
+            now,
+            (p, p_inc),
+            (d, d_inc),
+            write,
+            &mut sched,
+        );
+        for (at, ev) in sched {
+            self.schedule(at, Ev::Data(ev));
+        }
+        if let Some(a) = answer {
+            self.answer_later(a);
         }
     }
 
@@ -242,6 +282,7 @@ impl World {
             let at = now + self.rng.range(0, 3 * MS);
             self.schedule(at, Ev::Chunk { p, inc, room, k: 0 });
         }
+        self.ensure_staging_housekeeping(p);
     }
 
     pub(crate) fn prefill_receive(&mut self, p: u32, msg: Msg) {
@@ -266,8 +307,12 @@ impl World {
                 {
                     self.excuse(Some(room));
                 }
+                let session = req.session.clone();
+                let pages = req.dst.as_ref().map(|d| d.kv_pages.len());
                 if !self.prefill_event(p, PrefillEvent::Metadata(*req)) {
                     self.excuse(Some(room));
+                } else if let Some(pages) = pages {
+                    self.prefill_staging_open(p, room, &session, pages);
                 }
             }
             Msg::Abort {
@@ -285,7 +330,12 @@ impl World {
                     },
                 );
             }
-            Msg::Status { .. } | Msg::AbortAck { .. } => {}
+            Msg::StagingRsp(_) | Msg::Watermark(_) => self.prefill_staging_receive(p, msg),
+            Msg::Status { .. }
+            | Msg::AbortAck { .. }
+            | Msg::AuxData { .. }
+            | Msg::StagingReq(_)
+            | Msg::ChunkReady(_) => {}
         }
     }
 
@@ -314,6 +364,9 @@ impl World {
             return;
         };
         n.mem.aux_row(room, row, false);
+        if self.sc.state {
+            n.mem.state_slot(room, row, false);
+        }
         n.rooms.insert(room, super::PRoom { src, row });
         n.awaiting.insert(room);
         if let Some(rec) = self.rooms.get_mut(&room) {
@@ -345,6 +398,7 @@ impl World {
             return;
         };
         let src: Vec<u64> = pr.src[a..b].to_vec();
+        let slot = pr.row as i32;
         for (i, &page) in src.iter().enumerate() {
             n.mem.kv_page(room, (a + i) as u64, page, false);
         }
@@ -352,6 +406,9 @@ impl World {
         let mut chunk = Chunk::new(slice, src.iter().map(|&s| s as i32).collect());
         if last {
             chunk = chunk.last();
+            if self.sc.state {
+                chunk.src_state = vec![vec![slot]];
+            }
         }
         self.prefill_event(p, PrefillEvent::Chunk { room, chunk });
         if !last && self.prefills[p as usize].mgr.poll(room).is_some() {
@@ -386,6 +443,10 @@ impl World {
         if n.inc != a.p_inc || n.down {
             return;
         }
+        let batch_id = match a.id {
+            Job::Batch(id) => id,
+            Job::Stage { work, .. } => return self.prefill_stage_answer(a.p, work, a.result),
+        };
         let result = match a.result {
             BatchResult::Ok => Ok(()),
             BatchResult::Lost(e) => Err(e),
@@ -400,13 +461,7 @@ impl World {
                 Ok(())
             }
         };
-        self.prefill_event(
-            a.p,
-            PrefillEvent::BatchDone {
-                batch_id: a.id,
-                result,
-            },
-        );
+        self.prefill_event(a.p, PrefillEvent::BatchDone { batch_id, result });
     }
 
     pub(crate) fn prefill_local_abort(&mut self, p: u32, room: Room) {
@@ -464,8 +519,10 @@ impl World {
     pub(crate) fn prefill_restart(&mut self, p: u32) {
         let mem = self.prefills[p as usize].mem.clone();
         let mgr = self.new_prefill_manager(p, &mem);
+        let stager = self.new_prefill_stager();
         let n = &mut self.prefills[p as usize];
         n.mgr = mgr;
+        n.stager = stager;
         n.mem.wipe();
         n.reset_pools();
         n.rooms.clear();
@@ -489,84 +546,6 @@ impl World {
                     Msg::Register(Box::new(reg)),
                 );
             }
-        }
-    }
-
-    /// A window lands on its decode: every op is checked against what the decode knows of the
-    /// room (statuses, ACKs, release, page ownership), then copied from the prefill's memory.
-    pub(crate) fn apply_landing(&mut self, l: &crate::data::Landing) {
-        let (p, d, room) = (l.p, l.d, l.room);
-        if self.decodes[d as usize].inc != l.d_inc || self.decodes[d as usize].down {
-            return;
-        }
-        for op in &l.ops {
-            let Some(src_loc) = self.prefills[p as usize].mem.locate(op.src, op.len) else {
-                self.check
-                    .check(Inv::WriteInOwnedPage, false, Some(room), || {
-                        format!("prefill rank {p} reads {op:?} outside its memory")
-                    });
-                return;
-            };
-            let dn = &self.decodes[d as usize];
-            let Some(dst_loc) = dn.mem.locate(op.dst, op.len) else {
-                self.check
-                    .check(Inv::WriteInOwnedPage, false, Some(room), || {
-                        format!("prefill rank {p} writes {op:?} outside decode rank {d}'s memory")
-                    });
-                return;
-            };
-            let owners: Vec<Option<Room>> = match dst_loc {
-                crate::memory::Loc::Kv { off, .. } => {
-                    let il = dn.mem.item_len();
-                    (off / il..=(off + op.len.max(1) - 1) / il)
-                        .map(|pg| dn.page_owner.get(pg as usize).copied().flatten())
-                        .collect()
-                }
-                crate::memory::Loc::Aux { buf, off } => {
-                    let rl = crate::memory::AUX_ROW_LENS[buf];
-                    (off / rl..=(off + op.len.max(1) - 1) / rl)
-                        .map(|r| dn.row_owner.get(r as usize).copied().flatten())
-                        .collect()
-                }
-            };
-            let dr = dn.rooms.get(&room);
-            let acked = dr.is_some_and(|r| r.acked.contains(&p));
-            let told = dr.is_some_and(|r| r.status_from.contains(&p));
-            let released = dr.is_some_and(|r| r.released);
-            let owned = owners.iter().all(|o| *o == Some(room));
-            let inc = l.d_inc;
-            let what = || {
-                format!(
-                    "prefill rank {p} wrote {op:?} to decode rank {d} (incarnation {inc}); page owners {owners:?}"
-                )
-            };
-            self.check
-                .check(Inv::NoWriteAfterAck, !acked, Some(room), || {
-                    format!("{}, after its ABORT_ACK arrived", what())
-                });
-            self.check
-                .check(Inv::NoWriteAfterStatus, !told, Some(room), || {
-                    format!("{}, after its status arrived", what())
-                });
-            self.check
-                .check(Inv::NoWriteAfterRelease, !released, Some(room), || {
-                    format!("{}, after the decode released the room", what())
-                });
-            self.check
-                .check(Inv::WriteInOwnedPage, owned, Some(room), || {
-                    format!("{}, into memory the room does not own", what())
-                });
-            if acked || told || released || !owned {
-                return;
-            }
-            let bytes = self.prefills[p as usize]
-                .mem
-                .bytes(src_loc, op.len)
-                .to_vec();
-            self.decodes[d as usize]
-                .mem
-                .bytes_mut(dst_loc, op.len)
-                .copy_from_slice(&bytes);
         }
     }
 }
