@@ -95,6 +95,10 @@ struct Peer {
     deadline_moved: Notify,
     /// The task of each held room, told its outcome when the manager concludes the room.
     waiters: Mutex<HashMap<Room, oneshot::Sender<Outcome>>>,
+    /// The aux row of each room not yet concluded: an `AUX_DATA` row is written only into the
+    /// row its room holds here (a row for a concluded room, or naming another row, could land
+    /// in a row that belongs to another room by now).
+    aux_rows: Mutex<HashMap<Room, u64>>,
     outbox: Outbox,
     /// The staging ring and staged rooms (with [`DecodeEngineConfig::staging`]).
     stager: Option<Arc<DecodeStager>>,
@@ -121,6 +125,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Peer {
     fn finish(&self, room: Room, outcome: Outcome) {
+        lock(&self.aux_rows).remove(&room);
         crate::timeline::stage!(room, "concluded");
         if let Some(tx) = lock(&self.waiters).remove(&room) {
             let _ = tx.send(outcome);
@@ -285,7 +290,7 @@ impl Peer {
                 index,
                 row,
                 data,
-            }) => match self.write_aux(index, row, &data) {
+            }) => match self.write_aux(room, index, row, &data) {
                 Ok(()) => metrics::counter!("kvx_decode_aux_rows_total").increment(1),
                 Err(e) => {
                     self.dropped.fetch_add(1, Ordering::Relaxed);
@@ -616,6 +621,7 @@ async fn start_peer(
             waiting_timeout: cfg.waiting_timeout,
         })),
         waiters: Mutex::new(HashMap::new()),
+        aux_rows: Mutex::new(HashMap::new()),
         outbox,
         stager,
         stop: AtomicBool::new(false),
@@ -668,6 +674,7 @@ impl Peer {
     ) -> (Outcome, Option<Arc<DecodeStager>>) {
         let (tx, rx) = oneshot::channel();
         lock(&self.waiters).insert(room, tx);
+        lock(&self.aux_rows).insert(room, row);
         let targets = topo.targets();
         let created = DecodeEvent::Created {
             room,

@@ -307,3 +307,74 @@ fn an_unreachable_prefill_fails_the_room_and_releases_its_pages_at_once() {
     drop(engine);
     drop(owned);
 }
+
+/// `AUX_DATA` is written only into the row its room holds while the room is open: a row naming
+/// another row, or a room not open here (never opened, or concluded — its row may be another
+/// room's by now), is dropped and counted, and the decode's rows stay as they were.
+#[test]
+fn aux_data_lands_only_in_the_row_its_open_room_holds() {
+    use kvx_bootstrap::sockets::zmq;
+    use kvx_engine::model::SGLANG_AUX_ROW_LENS;
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, POOL);
+    let prefill = Prefill::start(&rt, &layout);
+    let mut owned = Owned::new(&layout);
+    let mem = owned.memory();
+    let aux = mem.aux.clone();
+    let engine = DecodeEngine::start(
+        DecodeEngineConfig::new(layout.clone()),
+        mem,
+        rt.handle().clone(),
+    )
+    .unwrap();
+    let addr = format!("127.0.0.1:{}", prefill.port);
+    let room = Room::new(4242).unwrap();
+    prefill.engine.open_room(room).unwrap();
+    let h = engine.open_room(room, &addr, vec![5, 6], 3).unwrap();
+    common::wait_until(Duration::from_secs(30), "metadata sent", || {
+        h.poll() == KVPoll::WaitingForInput
+    });
+
+    // A prefill's AUX_DATA messages, straight to the decode's inbox (buffer 0, 64-byte rows).
+    let ctx = zmq::Context::new();
+    let push = ctx.socket(zmq::PUSH).unwrap();
+    push.connect(&engine.endpoint().zmq_addr()).unwrap();
+    let row_len = SGLANG_AUX_ROW_LENS[0] as usize;
+    let send = |room: Room, row: u64, byte: u8| {
+        let frames = kvx_engine::wire::encode_aux_data(room, 0, row, &vec![byte; row_len]).unwrap();
+        push.send_multipart(frames, 0).unwrap();
+    };
+    let row_bytes = |row: u64| {
+        let at = layout.aux_ptrs(aux.base())[0] + row * row_len as u64;
+        aux.to_vec(at, row_len as u64).unwrap()
+    };
+    let other = Room::new(9999).unwrap();
+    send(room, 4, 0xAA); // another row than the room's
+    send(other, 3, 0xBB); // a room not open here, naming this room's row
+    send(room, 3, 0xCC); // the room's own row: written
+    common::wait_until(Duration::from_secs(10), "the room's row written", || {
+        row_bytes(3) == vec![0xCC; row_len]
+    });
+    assert_eq!(
+        row_bytes(4),
+        vec![0; row_len],
+        "a row the room does not hold"
+    );
+    assert_eq!(engine.stats().dropped_messages, 2);
+
+    // Concluded (the handle dropped: failed, ABORTed): its row is no longer its own.
+    drop(h);
+    common::wait_until(Duration::from_secs(30), "room concluded", || {
+        engine.open_rooms().is_empty()
+    });
+    send(room, 3, 0xDD);
+    common::wait_until(Duration::from_secs(10), "late row dropped", || {
+        engine.stats().dropped_messages == 3
+    });
+    assert_eq!(row_bytes(3), vec![0xCC; row_len]);
+    engine.shutdown();
+    drop(engine);
+    prefill.engine.shutdown();
+    drop(owned);
+}

@@ -1,6 +1,7 @@
 //! `AUX_DATA` on the decode: aux rows a prefill sends over ZMQ instead of writing them
-//! (spec §3.4), written at this decode's own row length; anything else is a typed error, counted
-//! and dropped by the caller.
+//! (spec §3.4), written at this decode's own row length, and only into the row the named room
+//! holds here while it is open; anything else is a typed error, counted and dropped by the
+//! caller.
 
 use super::Peer;
 
@@ -8,6 +9,15 @@ use super::Peer;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AuxError {
+    /// The room is not open here (unknown, or concluded: its row may belong to another room by
+    /// now), or holds another row.
+    #[error("AUX_DATA for {room} names aux row {row}, which that room does not hold here")]
+    NotTheRoomsRow {
+        /// The room the message names.
+        room: kvx_core::Room,
+        /// The row it names.
+        row: i64,
+    },
     /// No such aux buffer here.
     #[error("aux buffer {0} does not exist")]
     Index(u32),
@@ -33,7 +43,17 @@ pub enum AuxError {
 impl Peer {
     /// Writes an `AUX_DATA` row at `aux_ptr[index] + row · item_len[index]` with this decode's
     /// own row length (spec §3.4); it arrives before its room's status on the same socket.
-    pub(super) fn write_aux(&self, index: u32, row: i64, data: &[u8]) -> Result<(), AuxError> {
+    pub(super) fn write_aux(
+        &self,
+        room: kvx_core::Room,
+        index: u32,
+        row: i64,
+        data: &[u8],
+    ) -> Result<(), AuxError> {
+        let held = super::lock(&self.aux_rows).get(&room).copied();
+        if held.is_none_or(|r| i64::try_from(r).ok() != Some(row)) {
+            return Err(AuxError::NotTheRoomsRow { room, row });
+        }
         let l = &self.cfg.layout;
         let i = index as usize;
         let (Some(&ptr), Some(&want)) =

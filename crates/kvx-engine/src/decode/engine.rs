@@ -359,6 +359,12 @@ impl DecodeEngine {
         self.inner.peer.session.as_str()
     }
 
+    /// The ZMQ inbox prefill ranks send statuses, `ABORT_ACK`s and `AUX_DATA` to (what the
+    /// registration and each room's metadata advertise).
+    pub fn endpoint(&self) -> &kvx_core::Endpoint {
+        &self.inner.peer.me
+    }
+
     /// Opens `room`, received from the prefill instance whose bootstrap server is
     /// `bootstrap_addr` (`host:port`), into `kv_pages` of the KV pool and row `aux_row` of the
     /// aux buffers, which belong to the engine until the room is released. Returns at once; the

@@ -1,4 +1,4 @@
-//! The decode side of the world: a driver around the real `DecodeManager` that plays kvx-cli's
+//! The decode side of the world: a driver around the real `DecodeManager` that plays kvx-engine's
 //! decode — it allocates pages and an aux row per room, registers with its prefill ranks,
 //! sends metadata, feeds statuses and heartbeat loss, ticks, sends the manager's `ABORT`s, and
 //! releases a room's pages: at once after a verified Success; after a failure only once every
@@ -296,7 +296,7 @@ impl World {
         self.decode_event(d, DecodeEvent::MetadataSent { room });
     }
 
-    /// Schedules a `Tick` at the manager's `poll_timeout()` unless one runs no later (kvx-cli's
+    /// Schedules a `Tick` at the manager's `poll_timeout()` unless one runs no later (kvx-engine's
     /// decode engine sleeps until then, not on a fixed period).
     fn ensure_decode_tick(&mut self, d: u32) {
         let now = self.clock.now();
@@ -365,7 +365,7 @@ impl World {
                 row,
                 data,
             } => {
-                // The rule a decode needs (kvx's decode does not check it yet): a row is written
+                // The rule kvx-engine's decode applies (`AuxError::NotTheRoomsRow`): a row is written
                 // only while the room it names holds that row. A prefill may send a row of a room
                 // of an earlier incarnation of this process (same address), or after the room
                 // was released (kvx-sim seed 121).

@@ -1,5 +1,5 @@
 //! The prefill side of the world: a driver around the real `PrefillManager` that plays
-//! kvx-cli's prefill engine — it opens senders, runs the forward pass chunk by chunk once a room
+//! kvx-engine's prefill engine — it opens senders, runs the forward pass chunk by chunk once a room
 //! is bootstrapped, performs the manager's actions in order (room row, batches to the data
 //! plane, status and `ABORT_ACK` to the network), reports every batch answer, ticks at
 //! `poll_timeout()`, and frees a room's source memory only once the manager dropped it.

@@ -1,5 +1,5 @@
 //! The prefill's staging driver as plain state, around kvx-staging's real [`PrefillStaging`]:
-//! kvx-cli's `StagingDriver` rules (`prefill_staging.rs`) without I/O. Rooms are opened towards a
+//! kvx-engine's `StagingDriver` rules (`prefill_staging.rs`) without I/O. Rooms are opened towards a
 //! decode session (every grid chunk requested at once), `Stage` actions are cut at grid
 //! boundaries and collected per grid chunk, a complete chunk is polled (written, parked until
 //! `STAGING_RSP` or `WATERMARK` wakes it, or failed as oversized), and a manager batch is done
@@ -35,7 +35,7 @@ pub(super) struct Target {
 }
 
 impl Target {
-    /// kvx-cli's checks: a complete ring, a usable geometry, and this rank among the writers.
+    /// kvx-engine's checks: a complete ring, a usable geometry, and this rank among the writers.
     pub(super) fn new(
         p: u32,
         prefill_tp: u32,

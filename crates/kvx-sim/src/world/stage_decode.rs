@@ -1,5 +1,5 @@
 //! The decode side of staged rooms: a driver around kvx-staging's real [`DecodeStaging`] that
-//! plays kvx-cli's decode stager (`decode_staging.rs`) — a byte-exact ring, rooms registered
+//! plays kvx-engine's decode stager (`decode_staging.rs`) — a byte-exact ring, rooms registered
 //! before their metadata goes out, `STAGING_REQ` answered with placements (and the watermark),
 //! a chunk scattered into the room's pages as soon as every writer's `CHUNK_READY` arrived (on
 //! the inbox's thread, before the next message), its slot freed and the new watermark sent. A

@@ -1,4 +1,4 @@
-//! The world's side of the prefill's staging driver ([`super::prefill_stager`]), as kvx-cli's
+//! The world's side of the prefill's staging driver ([`super::prefill_stager`]), as kvx-engine's
 //! loop runs it (`engine/staging.rs`): it opens a room's staging when its metadata names a
 //! session on the staging path, hands the manager's `Stage` actions to the driver, performs the
 //! driver's effects (`STAGING_REQ`s, chunk writes — the head slices gathered and written with one
@@ -56,7 +56,7 @@ impl World {
         }
     }
 
-    /// kvx-cli's `fail_room`: `SenderFailed` for a room still open.
+    /// kvx-engine's `fail_room`: `SenderFailed` for a room still open.
     fn prefill_fail_room(&mut self, p: u32, room: Room, reason: String) {
         let open = self.prefills[p as usize]
             .mgr
