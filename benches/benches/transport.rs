@@ -15,7 +15,8 @@
 //! socket loop's in the same repetition (robust to a noisy, shared machine), and the CPU the
 //! whole process spent on it per GiB (all repetitions, both sides of the copy; `/proc/self/stat`).
 //! Then that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection
-//! count, same bytes).
+//! count, same bytes), and the KV rooms against the bulk write of the same transport
+//! (`kv p16/bulk ratio: X.XX`, `kv p1/bulk ratio: X.XX`).
 //! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
 //! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
 //! waiting for its completion) against a plain blocking socket doing the same write followed by
@@ -465,6 +466,21 @@ fn main() {
         "tcp/socket-loop ratio: {:.2}",
         rows[2].paired_ratio(&rows[1])
     );
+    // Issue 15 item 2: KV rooms (merged runs of fragmented pages) against the bulk write of the
+    // same transport, paired per repetition.
+    let row = |case: &str| {
+        rows.iter()
+            .find(|r| r.name.split(" x").next() == Some(case))
+    };
+    for case in ["tcp kv p16", "tcp kv p1"] {
+        if let (Some(kv), Some(b)) = (row(case), row("tcp bulk")) {
+            println!(
+                "{}/bulk ratio: {:.2}",
+                case.trim_start_matches("tcp "),
+                kv.paired_ratio(b)
+            );
+        }
+    }
     println!();
     println!(
         "| single write ({lat_writes} each) | tcp p50 / p99 us | socket write + ack p50 / p99 us | tcp/socket p50 |"

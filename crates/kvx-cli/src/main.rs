@@ -1,5 +1,7 @@
 //! The `kvx` binary: see `kvx --help`.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{Context, Result};
 use kvx_cli::config::file::CliError;
 use kvx_cli::config::{Cli, Command, DecodeArgs};

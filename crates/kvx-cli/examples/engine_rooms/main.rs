@@ -97,6 +97,10 @@ struct Args {
     /// Record the engines' per-room stage events and print the control path stage by stage.
     #[arg(long)]
     timeline: bool,
+    /// Send aux rows as `AUX_DATA` on the status socket instead of writing them (sglang's
+    /// `aux_over_tcp`): an empty room then has no data-plane write at all.
+    #[arg(long)]
+    aux_over_tcp: bool,
 }
 
 /// One prefill rank's source pages for a room, written before the room's clock starts.
@@ -270,6 +274,7 @@ fn main() -> Result<()> {
             events: true,
             staging: a.staging_ring_mib.is_some(),
             chunked_prefill_size: a.chunked_prefill_size,
+            aux_over_tcp: a.aux_over_tcp,
             ..PrefillConfig::default()
         };
         let engine = Arc::new(PrefillEngine::start(cfg, mem.clone(), rt.handle().clone())?);

@@ -49,24 +49,28 @@ impl Timeline {
         }
     }
 
-    /// Per consecutive pair of stages, the durations over `rooms` (microseconds, sorted);
-    /// a room missing either stage of a pair is left out of that pair.
+    /// Per hand-off between consecutive stages a room passed (a room with no data-plane write
+    /// skips the worker's stages), the durations over `rooms` in microseconds, sorted; in stage
+    /// order.
     pub fn segments(&self, rooms: &[u64]) -> Vec<(String, Vec<f64>)> {
         let m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let names = stages();
-        names
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| {
-                let mut v: Vec<f64> = rooms
-                    .iter()
-                    .filter_map(|r| {
-                        let (a, b) = (m.get(&(*r, i))?, m.get(&(*r, i + 1))?);
-                        Some(b.saturating_duration_since(*a).as_secs_f64() * 1e6)
-                    })
-                    .collect();
+        let mut by_pair: std::collections::BTreeMap<(usize, usize), Vec<f64>> = Default::default();
+        for r in rooms {
+            let passed: Vec<(usize, Instant)> = (0..names.len())
+                .filter_map(|i| m.get(&(*r, i)).map(|t| (i, *t)))
+                .collect();
+            for w in passed.windows(2) {
+                let ((a, ta), (b, tb)) = (w[0], w[1]);
+                let us = tb.saturating_duration_since(ta).as_secs_f64() * 1e6;
+                by_pair.entry((a, b)).or_default().push(us);
+            }
+        }
+        by_pair
+            .into_iter()
+            .map(|((a, b), mut v)| {
                 v.sort_by(f64::total_cmp);
-                (format!("{} → {}", w[0], w[1]), v)
+                (format!("{} → {}", names[a], names[b]), v)
             })
             .collect()
     }
