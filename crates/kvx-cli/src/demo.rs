@@ -1,8 +1,9 @@
 //! `kvx demo`: a bootstrap server, one prefill rank and one decode peer in one process, over
 //! loopback TCP, with Llama-3-8B-shaped rooms by default (`--tp-size` / `--decode-tp` run every
 //! rank of both instances in the process, `--staging` sends between different TP sizes through
-//! the decode rings). Prints rooms, bytes, GB/s and room
-//! latency percentiles, and as its last line `verified: N/N rooms …`; the exit code is non-zero
+//! the decode rings). First it runs a link test over the same backend inside the process (1 GiB
+//! of 16 MiB writes, as `kvx send` would), then the rooms; it prints rooms, bytes, GB/s beside
+//! the link test's, room latency percentiles, and as its last line `verified: N/N rooms …`; the exit code is non-zero
 //! when any room failed or did not verify. SIGINT/SIGTERM drain it like `kvx decode` (no new
 //! room, rooms in flight get `--shutdown-timeout`), then it prints its summary and exits 0
 //! unless a started room failed for another reason or arrived corrupt.
@@ -32,6 +33,14 @@ pub fn run(args: DemoArgs) -> Result<i32> {
     let prefill_tp = m.tp_size.max(1);
     let decode_tp = args.decode_tp.unwrap_or(prefill_tp).max(1);
     let layout = m.model.layout(decode_tp, 0, m.page_size, m.pool_pages);
+    // The baseline: the data plane alone, same backend, same process, before the rooms.
+    let link = rt.block_on(crate::link::loopback(
+        args.backend,
+        &args.rdma.options(),
+        2,
+        256 << 20,
+        1 << 30,
+    ));
     let (summary, fatal) = rt.block_on(async {
         let server = BootstrapServer::bind_with(
             ("127.0.0.1", 0),
@@ -154,6 +163,19 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         summary.seconds,
         summary.gbps
     );
+    match &link {
+        Ok(l) => println!(
+            "link test ({} backend, this process, 16 MiB writes): {:.2} GB/s; rooms at {:.2}× the \
+             link (the rooms' time includes the synthetic forward pass and byte verification)",
+            args.backend.name(),
+            l.gbps(),
+            summary.gbps / l.gbps().max(1e-9)
+        ),
+        Err(e) => println!(
+            "link test ({} backend): not run: {e:#}",
+            args.backend.name()
+        ),
+    }
     println!(
         "room latency: p50 {:.1} ms, p99 {:.1} ms",
         summary.p50_ms, summary.p99_ms

@@ -382,3 +382,89 @@ async fn run_size(args: &SendArgs, session: &dyn Session, src: &Region, size: u6
         intervals,
     })
 }
+
+/// What [`loopback`] measured.
+#[derive(Clone, Copy, Debug)]
+pub struct LinkFigure {
+    /// Bytes written (and acknowledged).
+    pub bytes: u64,
+    /// Seconds from the first write posted to the last completion.
+    pub seconds: f64,
+}
+
+impl LinkFigure {
+    /// Throughput in GB/s (10⁹ bytes per second).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds.max(1e-9) / 1e9
+    }
+}
+
+/// A link test inside this process over `backend` on loopback, as `kvx recv` + `kvx send`
+/// would run it: a server with a `region_bytes` region, a client with as many, and `total`
+/// bytes written as batches of four 16 MiB writes (two batches in flight) over `connections`
+/// connections. The baseline `kvx demo` prints its rooms' throughput against.
+pub async fn loopback(
+    backend: Backend,
+    rdma: &kvx_engine::plane::RdmaOptions,
+    connections: usize,
+    region_bytes: u64,
+    total: u64,
+) -> Result<LinkFigure> {
+    const OP: u64 = 16 << 20;
+    let region_bytes = region_bytes.max(OP);
+    let len = usize::try_from(region_bytes)?;
+    let name = format!("kvx-demo-link-{}", std::process::id());
+    // The receiver's memory as a decode's would be (a /dev/shm file with the shm backend).
+    let dst = Arc::new(kvx_engine::plane::alloc_region(
+        backend, &name, "recv", len,
+    )?);
+    let src = Arc::new(Region::new(len));
+    // Touched before the clock, as registered pools are.
+    src.fill(src.base(), region_bytes, 0x5a)?;
+    dst.fill(dst.base(), region_bytes, 0)?;
+    let server = DataPlane::server_with(backend, rdma, "127.0.0.1", &name, vec![dst]).await?;
+    let client = DataPlane::client_with(
+        backend,
+        rdma,
+        &format!("{name}-send"),
+        connections,
+        vec![src.clone()],
+    )?;
+    let session = client
+        .transport()
+        .connect(&server.endpoint())
+        .await
+        .context("connecting the link test")?;
+    let Some(remote) = session.remote().regions.first().cloned() else {
+        bail!("link test: the server registered no memory");
+    };
+    let slots = (region_bytes / OP).min(remote.len / OP).max(1);
+    let batch = |k: u64| -> Vec<TransferOp> {
+        (0..4)
+            .map(|i| {
+                let slot = (k + i) % slots;
+                TransferOp::new(src.base() + slot * OP, remote.base + slot * OP, OP)
+            })
+            .collect()
+    };
+    let batches = total.div_ceil(4 * OP).max(1);
+    let t0 = Instant::now();
+    let mut inflight = std::collections::VecDeque::new();
+    for k in 0..batches {
+        inflight.push_back(session.write_batch(batch(4 * k)));
+        if inflight.len() >= 2
+            && let Some(f) = inflight.pop_front()
+        {
+            f.await?;
+        }
+    }
+    while let Some(f) = inflight.pop_front() {
+        f.await?;
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    drop((session, client, server));
+    Ok(LinkFigure {
+        bytes: batches * 4 * OP,
+        seconds,
+    })
+}
