@@ -220,8 +220,9 @@ pub struct PrefillArgs {
         value_parser = validate::seconds
     )]
     pub bootstrap_timeout: f64,
-    /// Most writes per transfer batch.
-    #[arg(long, default_value_t = 1024, value_parser = validate::count)]
+    /// Most writes per transfer batch (a batch of small writes — head slices, page size 1 —
+    /// spans several tcp windows, so it keeps every connection busy).
+    #[arg(long, default_value_t = 32 * 1024, value_parser = validate::count)]
     pub max_batch_ops: usize,
     /// About the most bytes per transfer batch, in MiB.
     #[arg(long, default_value_t = 64, value_parser = validate::count_u64)]

@@ -68,7 +68,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 metrics_port: None,
                 queues: args.queues,
                 bootstrap_timeout: 300.0,
-                max_batch_ops: 1024,
+                max_batch_ops: kvx_engine::engine::PrefillConfig::default().max_batch_ops,
                 max_batch_mib: 64,
                 chunk_pages: args.chunk_pages,
                 fragmentation: args.fragmentation,

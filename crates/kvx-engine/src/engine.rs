@@ -118,7 +118,9 @@ pub struct PrefillConfig {
     pub bootstrap_port: u16,
     /// Transfer queues (= worker threads).
     pub queues: usize,
-    /// Most writes per batch.
+    /// Most writes per batch (default 32 768: a chunk of per-token head slices or page-size-1
+    /// writes goes out as one batch spanning several tcp windows, which keeps every connection
+    /// busy; with 1 024 such a chunk was 32 stop-and-wait batches of one window each).
     pub max_batch_ops: usize,
     /// About the most bytes per batch.
     pub max_batch_bytes: u64,
@@ -166,7 +168,7 @@ impl Default for PrefillConfig {
             inbox_port: 0,
             bootstrap_port: 8998,
             queues: 4,
-            max_batch_ops: 1024,
+            max_batch_ops: 32 * 1024,
             max_batch_bytes: 64 << 20,
             bootstrap_timeout: Duration::from_secs(300),
             restart_workers: false,

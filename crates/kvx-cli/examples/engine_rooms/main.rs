@@ -97,6 +97,9 @@ struct Args {
     /// Record the engines' per-room stage events and print the control path stage by stage.
     #[arg(long)]
     timeline: bool,
+    /// Most writes per posted batch (`PrefillConfig::max_batch_ops`; default: the engine's).
+    #[arg(long)]
+    max_batch_ops: Option<usize>,
     /// Send aux rows as `AUX_DATA` on the status socket instead of writing them (sglang's
     /// `aux_over_tcp`): an empty room then has no data-plane write at all.
     #[arg(long)]
@@ -275,6 +278,9 @@ fn main() -> Result<()> {
             staging: a.staging_ring_mib.is_some(),
             chunked_prefill_size: a.chunked_prefill_size,
             aux_over_tcp: a.aux_over_tcp,
+            max_batch_ops: a
+                .max_batch_ops
+                .unwrap_or(PrefillConfig::default().max_batch_ops),
             ..PrefillConfig::default()
         };
         let engine = Arc::new(PrefillEngine::start(cfg, mem.clone(), rt.handle().clone())?);
