@@ -165,6 +165,42 @@ impl Proc {
             .unwrap_or(0)
     }
 
+    /// The child's TCP sockets (IPv4 or IPv6) whose remote port is `port`: its `/proc/<pid>/fd`
+    /// socket inodes found in `/proc/<pid>/net/tcp{,6}` with that remote port.
+    pub fn tcp_sockets_to_port(&self, port: u16) -> usize {
+        let pid = self.pid();
+        let inodes: std::collections::HashSet<String> =
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .map(|d| {
+                    d.filter_map(|e| e.ok())
+                        .filter_map(|e| std::fs::read_link(e.path()).ok())
+                        .filter_map(|t| {
+                            let t = t.to_string_lossy().into_owned();
+                            t.strip_prefix("socket:[")
+                                .and_then(|r| r.strip_suffix(']'))
+                                .map(str::to_owned)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+        let want = format!("{port:04X}");
+        ["tcp", "tcp6"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).ok())
+            .map(|text| {
+                text.lines()
+                    .skip(1)
+                    .filter(|l| {
+                        let cols: Vec<&str> = l.split_whitespace().collect();
+                        let remote_port = cols.get(2).and_then(|r| r.rsplit(':').next());
+                        remote_port == Some(want.as_str())
+                            && cols.get(9).is_some_and(|i| inodes.contains(*i))
+                    })
+                    .count()
+            })
+            .sum()
+    }
+
     /// The child's output so far.
     pub fn log_text(&self) -> String {
         std::fs::read(&self.log)
