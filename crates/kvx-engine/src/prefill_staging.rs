@@ -16,10 +16,11 @@
 //! the wait timeout fail their room instead of holding it forever (a decode that stopped
 //! freeing its ring).
 //!
-//! Deterministic: no I/O and no clock reads; the engine passes `now` and performs the
-//! [`Effect`]s.
+//! Deterministic: no I/O and no clock reads, and ordered maps only, so the same calls give the
+//! same effects in the same order; the engine passes `now` and performs the [`Effect`]s
+//! (kvx-sim drives this very driver over simulated time).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use kvx_core::prefill::BatchId;
@@ -196,8 +197,8 @@ pub struct StagingDriver {
     grid: ChunkGrid,
     wait_timeout: Duration,
     state: PrefillStaging,
-    rooms: HashMap<(Room, SessionId), RoomStage>,
-    pending: HashMap<BatchId, Pending>,
+    rooms: BTreeMap<(Room, SessionId), RoomStage>,
+    pending: BTreeMap<BatchId, Pending>,
 }
 
 impl StagingDriver {
@@ -209,8 +210,8 @@ impl StagingDriver {
             grid,
             wait_timeout,
             state: PrefillStaging::new(),
-            rooms: HashMap::new(),
-            pending: HashMap::new(),
+            rooms: BTreeMap::new(),
+            pending: BTreeMap::new(),
         }
     }
 
@@ -493,10 +494,10 @@ impl StagingDriver {
         }
     }
 
-    /// Rooms with staging state (to check against the manager; see
+    /// Rooms with staging state, sorted, each once (to check against the manager; see
     /// [`StagingDriver::conclude`]).
     pub fn rooms(&self) -> Vec<Room> {
-        let set: HashSet<Room> = self.rooms.keys().map(|k| k.0).collect();
+        let set: BTreeSet<Room> = self.rooms.keys().map(|k| k.0).collect();
         set.into_iter().collect()
     }
 
@@ -526,8 +527,7 @@ impl StagingDriver {
 
     /// Decode sessions that rooms with staging state wait on (sorted, each once).
     pub fn sessions(&self) -> Vec<SessionId> {
-        let set: std::collections::BTreeSet<&SessionId> =
-            self.rooms.keys().map(|(_, s)| s).collect();
+        let set: BTreeSet<&SessionId> = self.rooms.keys().map(|(_, s)| s).collect();
         set.into_iter().cloned().collect()
     }
 

@@ -7,8 +7,9 @@
 //! failing connections, slow windows, decodes that die and come back under the same session
 //! id), and simulated time — with several prefill and decode ranks (TP fan-in and fan-out),
 //! local aborts on both sides, and fatal worker faults. Some seeds stage their heterogeneous-TP
-//! rooms through the decodes' rings with kvx-staging's real state machines (`STAGING_REQ/RSP`,
-//! `WATERMARK`, `CHUNK_READY`, the prefill's probes reporting `SessionLost` for a dead decode),
+//! rooms through the decodes' rings with kvx-staging's real state machines, the prefill's driven
+//! by kvx-engine's real `StagingDriver` (`STAGING_REQ/RSP`, `WATERMARK`, `CHUNK_READY`, the
+//! prefill's probes reporting `SessionLost` for a dead decode),
 //! some send aux rows as `AUX_DATA`, and some carry a state component (a slot per room).
 //! Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are checked at every
 //! step, and a failing seed is replayed with a trace of the events of the room that broke one.

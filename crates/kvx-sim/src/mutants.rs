@@ -5,7 +5,8 @@
 //! windows are still in flight) and `any-instance` its handshake (a session id naming a process
 //! instance reaches whatever process now listens at its address); `early-slot-reuse` breaks the
 //! simulated decode's staging driver (a ring slot freed before its copy-out) and
-//! `ignore-watermark` the prefill's (a chunk written before the watermark admits it); the
+//! `ignore-watermark` the prefill's (a chunk written before the watermark admits it: the world
+//! feeds kvx-engine's real driver a watermark past every placement with each `STAGING_RSP`); the
 //! others arm kvx-core's test-only hook (feature `sim-mutants`, enabled by this crate's
 //! `mutants` feature) inside the real `PrefillManager`.
 

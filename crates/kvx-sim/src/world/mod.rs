@@ -1,5 +1,6 @@
 //! The simulated world of one seed: prefill and decode ranks running the real kvx-core
-//! managers, a simulated control plane ([`crate::net`]), data plane ([`crate::data`]) and clock,
+//! managers (and, in staged seeds, kvx-engine's real prefill staging driver, `stage_prefill`), a
+//! simulated control plane ([`crate::net`]), data plane ([`crate::data`]) and clock,
 //! one event queue ordered by (time, sequence), and the invariant checks at every step.
 //!
 //! A step is one event taken from the queue. The workload (rooms, their pages and chunks) and
@@ -12,7 +13,6 @@ mod decode;
 mod landing;
 mod nodes;
 mod prefill;
-mod prefill_stager;
 mod stage_decode;
 mod stage_prefill;
 
@@ -403,7 +403,7 @@ impl World {
                 stager: None,
             };
             node.reset_pools();
-            node.stager = w.new_prefill_stager();
+            node.stager = w.new_prefill_stager(p);
             w.prefills.push(node);
         }
         for d in 0..w.sc.decode_tp {

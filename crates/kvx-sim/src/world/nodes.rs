@@ -9,8 +9,8 @@ use kvx_core::{DecodeManager, KVPoll, PrefillManager, Room};
 use crate::clock::Nanos;
 use crate::memory::RankMemory;
 
-use super::prefill_stager::PrefillStager;
 use super::stage_decode::DecodeStager;
+use super::stage_prefill::PrefillStager;
 
 /// What a prefill driver holds for one opened room.
 #[derive(Clone, Debug)]

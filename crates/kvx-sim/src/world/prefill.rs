@@ -519,7 +519,7 @@ impl World {
     pub(crate) fn prefill_restart(&mut self, p: u32) {
         let mem = self.prefills[p as usize].mem.clone();
         let mgr = self.new_prefill_manager(p, &mem);
-        let stager = self.new_prefill_stager();
+        let stager = self.new_prefill_stager(p);
         let n = &mut self.prefills[p as usize];
         n.mgr = mgr;
         n.stager = stager;
