@@ -1,6 +1,12 @@
 //! Transfer workers: one thread per queue shard, each executing the batches the engine's loop
 //! hands it, in order, and reporting every one back.
 //!
+//! A worker keeps up to [`DEPTH`] batches posted at once: the next batch's windows queue behind
+//! the current one's on the session's connections, so they do not idle while a batch's last
+//! window is acknowledged. Batches are posted in queue order (a room's chunks stay in order on
+//! the wire) and answered as they complete. A staged chunk runs alone: every staged chunk of a
+//! shard is gathered into the shard's one staging buffer.
+//!
 //! A worker owns no room state: it pops a [`Job`] (a batch the `kvx-core` prefill manager
 //! planned, or a staged chunk), posts it on its cached `kvx-rdma` session to the decode and sends
 //! the [`Outcome`] back to the loop ([`crate::engine`]'s one owner), which feeds the manager. A
@@ -8,21 +14,22 @@
 //! [`Outcome::Skipped`] without a write. A staged chunk ([`Work::Stage`]) is first gathered into
 //! the worker's registered staging buffer and written with one op into the decode's ring; the
 //! loop sends its `CHUNK_READY`. A fatal fault — a panic, an injected fault — ends the worker:
-//! it reports the job it died on and the fault in one [`Report::Died`], after which nothing more
-//! of that job can be written by this thread. The loop turns it into
+//! it first waits for the other batches it has posted (each reported as usual), then reports the
+//! job it died on and the fault in one [`Report::Died`], after which nothing more of that job can
+//! be written by this thread. The loop turns it into
 //! [`crate::fault::TransferThreadFailed`], fails every open room and restarts the worker or
 //! stops the rank.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_core::prefill::BatchId;
 use kvx_core::{Room, SessionId, TransferOp};
-use kvx_rdma::{Session, TransportError};
+use kvx_rdma::{BatchReport, BoxFuture, Session, TransportError};
 
 use crate::engine::PrefillMemory;
 use crate::fault::WorkerFault;
@@ -155,6 +162,24 @@ pub(crate) fn spawn_worker<R: From<Report> + Send + 'static>(
     Ok(())
 }
 
+/// Batches a worker keeps posted at once (see the module docs).
+pub const DEPTH: usize = 2;
+
+/// A posted batch, waiting for its completion.
+struct Writing {
+    fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
+    /// When it was posted (`kvx_batch_latency_seconds`).
+    t0: Instant,
+}
+
+/// What starting a job came to.
+enum Started {
+    /// Nothing to wait for (skipped, failed before a write, or already complete).
+    Done(Outcome),
+    /// Posted; its completion is awaited by [`finish`].
+    Writing(Writing),
+}
+
 /// Runs jobs until the rank stops (`None`) or a fatal fault (`Some((job, fault))`).
 fn worker_loop<R: From<Report>>(
     ctx: &WorkerCtx,
@@ -163,29 +188,9 @@ fn worker_loop<R: From<Report>>(
     reports: &SyncSender<R>,
 ) -> Option<(Option<Job>, WorkerFault)> {
     let mut sessions: HashMap<SessionId, (Arc<dyn Session>, Instant)> = HashMap::new();
-    loop {
-        if ctx.stop.load(Ordering::Relaxed) {
-            return None;
-        }
-        let next = lock(queue).recv_timeout(Duration::from_millis(100));
-        let mut job = match next {
-            Ok(j) => j,
-            Err(RecvTimeoutError::Timeout) => {
-                // A departed decode leaves no connection behind.
-                sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return None,
-        };
-        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            execute(ctx, shard, &mut sessions, &mut job)
-        }));
-        let outcome = match run {
-            Ok(Ok(o)) => o,
-            Ok(Err(fault)) => return Some((Some(job), fault)),
-            Err(p) => return Some((Some(job), WorkerFault::from_panic(p.as_ref()))),
-        };
-        if reports
+    let mut posted: VecDeque<(Job, Writing)> = VecDeque::new();
+    let report = |job: Job, outcome: Outcome| {
+        reports
             .send(
                 Report::Finished {
                     shard,
@@ -194,12 +199,113 @@ fn worker_loop<R: From<Report>>(
                 }
                 .into(),
             )
-            .is_err()
-        {
+            .is_ok()
+    };
+    loop {
+        if ctx.stop.load(Ordering::Relaxed) {
+            drain(ctx, &mut sessions, &mut posted, &report);
             return None;
+        }
+        // A staged chunk in flight owns the shard's staging buffer: nothing starts beside it.
+        let room_for_more = posted.len() < DEPTH
+            && !posted
+                .front()
+                .is_some_and(|(j, _)| matches!(j.work, Work::Stage(_)));
+        if room_for_more {
+            let next = if posted.is_empty() {
+                lock(queue).recv_timeout(Duration::from_millis(100))
+            } else {
+                lock(queue).try_recv().map_err(|e| match e {
+                    TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                })
+            };
+            match next {
+                Ok(mut job) => {
+                    if matches!(job.work, Work::Stage(_))
+                        && !drain(ctx, &mut sessions, &mut posted, &report)
+                    {
+                        return None;
+                    }
+                    let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        start(ctx, shard, &mut sessions, &mut job)
+                    }));
+                    let fault = match run {
+                        Ok(Ok(Started::Done(outcome))) => {
+                            if !report(job, outcome) {
+                                return None;
+                            }
+                            continue;
+                        }
+                        Ok(Ok(Started::Writing(w))) => {
+                            posted.push_back((job, w));
+                            continue;
+                        }
+                        Ok(Err(fault)) => fault,
+                        Err(p) => WorkerFault::from_panic(p.as_ref()),
+                    };
+                    // Dying: what is posted is answered first (nothing of it reaches the decode
+                    // after its report), then the job the fault struck.
+                    if !drain(ctx, &mut sessions, &mut posted, &report) {
+                        return None;
+                    }
+                    return Some((Some(job), fault));
+                }
+                Err(RecvTimeoutError::Timeout) if posted.is_empty() => {
+                    // A departed decode leaves no connection behind.
+                    sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    drain(ctx, &mut sessions, &mut posted, &report);
+                    return None;
+                }
+            }
+        }
+        let Some((job, w)) = posted.pop_front() else {
+            continue;
+        };
+        let run =
+            std::panic::catch_unwind(AssertUnwindSafe(|| finish(ctx, &mut sessions, &job, w)));
+        match run {
+            Ok(outcome) => {
+                if !report(job, outcome) {
+                    return None;
+                }
+            }
+            Err(p) => {
+                if !drain(ctx, &mut sessions, &mut posted, &report) {
+                    return None;
+                }
+                return Some((Some(job), WorkerFault::from_panic(p.as_ref())));
+            }
         }
         sessions.retain(|_, (s, _)| s.is_alive());
     }
+}
+
+/// Waits for every posted batch, in order, and reports each; false when the loop is gone. A
+/// batch whose wait panics is reported [`Outcome::RoomFailed`] (the worker is dying anyway).
+fn drain(
+    ctx: &WorkerCtx,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    posted: &mut VecDeque<(Job, Writing)>,
+    report: &impl Fn(Job, Outcome) -> bool,
+) -> bool {
+    while let Some((job, w)) = posted.pop_front() {
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| finish(ctx, sessions, &job, w)))
+            .unwrap_or_else(|p| {
+                Outcome::RoomFailed(format!(
+                    "transfer worker failed while awaiting the batch: {}",
+                    WorkerFault::from_panic(p.as_ref())
+                ))
+            });
+        if !report(job, outcome) {
+            return false;
+        }
+    }
+    true
 }
 
 /// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
@@ -249,26 +355,28 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
 /// Data sessions idle this long are closed.
 const SESSION_IDLE: Duration = Duration::from_secs(2);
 
-/// Posts one job. Outer error: fatal for the worker; inner: fails the room (a peer failure
-/// also drops the cached session so the next batch reconnects).
-fn execute(
+/// Posts one job: checks, gathers a staged chunk, opens the session if needed and posts the
+/// batch (its first poll queues or sends its windows). Outer error: fatal for the worker; an
+/// outcome: the job ended without a write to wait for (a peer failure also drops the cached
+/// session so the next batch reconnects).
+fn start(
     ctx: &WorkerCtx,
     shard: usize,
     sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
     job: &mut Job,
-) -> Result<Outcome, WorkerFault> {
+) -> Result<Started, WorkerFault> {
     // A job queued before its room failed is completed without any work.
     if job.cancel.load(Ordering::Acquire) {
-        return Ok(Outcome::Skipped);
+        return Ok(Started::Done(Outcome::Skipped));
     }
     let (room, session) = (job.room, &job.session);
     crate::timeline::stage!(room, "worker");
     if ctx.is_dead(session) {
         sessions.remove(session);
         metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
-        return Ok(Outcome::PeerFailed(format!(
+        return Ok(Started::Done(Outcome::PeerFailed(format!(
             "Decode instance could be dead, remote session {session} is not alive"
-        )));
+        ))));
     }
     fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
         WorkerFault::Injected {
@@ -276,25 +384,25 @@ fn execute(
             detail: arg.unwrap_or_default(),
         }
     ));
-    fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(
+    fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(Started::Done(
         Outcome::RoomFailed(format!(
             "injected per-room fault: {}",
             arg.unwrap_or_default()
         ))
-    ));
+    )));
     if job.cancel.load(Ordering::Acquire) {
         // Failed (or gone) while the fault points ran: nothing to write.
-        return Ok(Outcome::Skipped);
+        return Ok(Started::Done(Outcome::Skipped));
     }
     let ops = match &mut job.work {
         Work::Batch { ops, .. } => std::mem::take(ops),
         Work::Stage(w) => match gather_chunk(ctx, shard, w) {
             Ok(op) => vec![op],
             Err(e) => {
-                return Ok(Outcome::RoomFailed(format!(
+                return Ok(Started::Done(Outcome::RoomFailed(format!(
                     "staging chunk {} of {room}: {e}",
                     w.key.chunk_idx
-                )));
+                ))));
             }
         },
     };
@@ -310,27 +418,62 @@ fn execute(
             }
             Err(e) => {
                 ctx.mark_dead(session);
-                return Ok(Outcome::PeerFailed(peer_failed(session, &e)));
+                return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e))));
             }
         },
     };
     let t0 = Instant::now();
-    match ctx.rt.block_on(s.write_batch(ops)) {
+    let mut fut = s.write_batch(ops);
+    // The first poll posts the batch (queues its windows, or sends a small one from this
+    // thread); a batch that completes at once needs no second wait.
+    let first = {
+        let _rt = ctx.rt.enter();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        fut.as_mut().poll(&mut cx)
+    };
+    let w = Writing { fut, t0 };
+    Ok(match first {
+        std::task::Poll::Ready(r) => Started::Done(completed(ctx, sessions, job, &w, r)),
+        std::task::Poll::Pending => Started::Writing(w),
+    })
+}
+
+/// Waits for a posted batch's completion (nothing of it can reach the decode afterwards).
+fn finish(
+    ctx: &WorkerCtx,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    job: &Job,
+    mut w: Writing,
+) -> Outcome {
+    let r = ctx.rt.block_on(w.fut.as_mut());
+    completed(ctx, sessions, job, &w, r)
+}
+
+/// The outcome of a batch's completion `r`.
+fn completed(
+    ctx: &WorkerCtx,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    job: &Job,
+    w: &Writing,
+    r: Result<BatchReport, TransportError>,
+) -> Outcome {
+    let (room, session) = (job.room, &job.session);
+    match r {
         Ok(report) => {
             crate::timeline::stage!(room, "written");
-            metrics::histogram!("kvx_batch_latency_seconds").record(t0.elapsed().as_secs_f64());
+            metrics::histogram!("kvx_batch_latency_seconds").record(w.t0.elapsed().as_secs_f64());
             metrics::counter!("kvx_transfer_batches_total").increment(1);
             metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
-            Ok(Outcome::Done)
+            Outcome::Done
         }
         Err(e) if e.is_peer_failure() => {
             sessions.remove(session);
             ctx.mark_dead(session);
-            Ok(Outcome::PeerFailed(peer_failed(session, &e)))
+            Outcome::PeerFailed(peer_failed(session, &e))
         }
-        Err(e) => Ok(Outcome::RoomFailed(format!(
+        Err(e) => Outcome::RoomFailed(format!(
             "Failed to send kv chunk of {room} to {session}: {e}"
-        ))),
+        )),
     }
 }
 
