@@ -101,9 +101,10 @@ use crate::region::Region;
 use crate::worker::{self, JobQueue, WorkerCtx};
 
 mod notifier;
-mod owner;
+pub(crate) mod owner;
 mod staging;
 
+use crate::prefill_core::{CoreConfig, PrefillCore};
 use notifier::Notifier;
 use owner::{Call, Input, Owner, Parts, View};
 
@@ -447,12 +448,21 @@ impl PrefillEngine {
             stop: stop.clone(),
             dead_sessions: Mutex::new(std::collections::HashMap::new()),
         });
-        let view = Arc::new(View::default());
-        let owner = Owner::new(Parts {
-            cfg: cfg.clone(),
-            mem,
-            mgr: PrefillManager::new(mcfg, local),
+        let core = PrefillCore::new(
+            CoreConfig {
+                bootstrap_port: cfg.bootstrap_port,
+                queues: cfg.queues.max(1),
+                auto_open: cfg.auto_open,
+                restart_workers: cfg.restart_workers,
+            },
+            PrefillManager::new(mcfg, local),
             staging,
+            std::time::Instant::now(),
+        );
+        let view = core.view();
+        let owner = Owner::new(Parts {
+            mem,
+            core,
             queues: senders,
             job_queues: queues.clone(),
             workers: workers.clone(),
@@ -460,7 +470,6 @@ impl PrefillEngine {
             notifier: Notifier::new(&ctx),
             events: cfg.events.then_some(events_tx),
             fatal_tx,
-            view: view.clone(),
             stop: stop.clone(),
         });
         for (shard, q) in queues.into_iter().enumerate() {

@@ -91,6 +91,7 @@ pub mod memory;
 pub mod model;
 pub mod pages;
 pub mod plane;
+pub mod prefill_core;
 pub mod prefill_staging;
 pub mod region;
 pub mod synthetic;

@@ -1,0 +1,601 @@
+//! The prefill rank's deterministic core: the rules of the engine's owner loop with no thread,
+//! socket or clock of its own.
+//!
+//! [`PrefillCore`] owns the rank's [`PrefillManager`] and [`StagingDriver`] and the driver-side
+//! room sets around them (rooms announced to the forward pass, rooms concluded but still held,
+//! per-room cancel flags, worker shards that died, a fatal fault waiting for the batches to
+//! drain). Each input — a decode's message, an embedder call, a worker's report, a lost session,
+//! the passage of time — comes with `now` and appends [`Output`]s to a caller's vector, in the
+//! order they must be performed: a room row is filled before any batch reading it is posted, a
+//! status follows the `CHUNK_READY` and `AUX_DATA` that precede it, a room's pages are released
+//! only once the manager dropped the room, the rank's fatal fault is handed out only once nothing
+//! of any room is in flight. Which shard a job goes to, when a job is skipped (its room's cancel
+//! flag), and what a dead worker does to the rank are decided here.
+//!
+//! Two drivers perform the outputs: the engine's loop thread (`engine/owner.rs`: real job
+//! queues, ZMQ sockets, worker threads, probes over TCP) and kvx-sim (a simulated network, data
+//! plane and clock), so what the simulation checks is the code that runs.
+//!
+//! ```
+//! use std::time::Instant;
+//! use kvx_core::{prefill::LocalMemory, AuxLayout, KvLayout, PrefillManager, Room};
+//! use kvx_engine::prefill_core::{CoreConfig, Output, PrefillCore};
+//!
+//! // Two layers of 16 pages of 64 bytes, sglang's 10 aux buffers of 16 rows.
+//! let kv = KvLayout::mha_contiguous(0x1000_0000, 2, 16, 64, 1);
+//! let aux_ptrs: Vec<u64> = (0..10).map(|i| 0x2000_0000 + (i << 20)).collect();
+//! let aux = AuxLayout::sglang_default(&aux_ptrs, Some(16)).unwrap();
+//! let local = LocalMemory { kv, aux, state: Vec::new() };
+//! let mgr = PrefillManager::new(kvx_core::PrefillConfig::default(), local);
+//! let now = Instant::now();
+//! let mut core = PrefillCore::new(CoreConfig::default(), mgr, None, now);
+//! let (room, mut out) = (Room::new(7).unwrap(), Vec::new());
+//! core.open_room(now, room, &mut out).unwrap();
+//! core.init_room(now, room, 1, 0, &mut out).unwrap();
+//! // No decode sent metadata: nothing to do yet but the room row.
+//! assert!(out.iter().all(|o| matches!(o, Output::FillRoomRow { .. })));
+//! assert!(core.poll(room).is_some());
+//! ```
+
+mod actions;
+mod staging;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvx_core::prefill::{PrefillError, PrefillEvent, PrefillManager, RoomError};
+use kvx_core::{Chunk, Endpoint, KVPoll, Room, SessionId};
+
+use crate::engine::EngineEvent;
+use crate::fault::{TransferThreadFailed, WorkerFault};
+use crate::prefill_staging::StagingDriver;
+use crate::wire::{self, Frames, PrefillInbound};
+use crate::worker::{Job, Outcome, Work};
+
+pub use staging::PROBE_PERIOD;
+
+/// How long a rank whose worker died waits for the other workers' batches before it reports
+/// the fault anyway.
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+/// Housekeeping period (staging expiry, liveness probes, gauges, an overdue fatal fault).
+pub const HOUSEKEEPING: Duration = Duration::from_secs(1);
+
+/// What the core needs to know of the rank's configuration.
+#[derive(Clone, Debug)]
+pub struct CoreConfig {
+    /// The instance's bootstrap port (named in the dead-worker message).
+    pub bootstrap_port: u16,
+    /// Transfer queue shards (one worker each).
+    pub queues: usize,
+    /// Open a sender for every room whose metadata arrives (the synthetic forward pass).
+    pub auto_open: bool,
+    /// Restart a worker that died instead of taking the rank down.
+    pub restart_workers: bool,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            bootstrap_port: 8998,
+            queues: 1,
+            auto_open: false,
+            restart_workers: false,
+        }
+    }
+}
+
+/// What the driver performs, in order.
+#[derive(Debug)]
+pub enum Output {
+    /// Write the room id into its aux row (`kvx_core::fill_room_row`), before anything reads it.
+    FillRoomRow {
+        /// The room.
+        room: Room,
+        /// The row's address.
+        addr: u64,
+        /// The row's length.
+        len: u64,
+    },
+    /// Send the aux row at `src_addr` as `AUX_DATA` (`wire::encode_aux_data`) to `endpoint`,
+    /// in order with the other sends to it.
+    SendAuxData {
+        /// The room.
+        room: Room,
+        /// The decode inbox.
+        endpoint: Endpoint,
+        /// The aux buffer index.
+        index: usize,
+        /// The decode's row.
+        dst_row: u64,
+        /// The prefill's row.
+        src_addr: u64,
+        /// The row's length.
+        len: u64,
+    },
+    /// Send these frames to a decode inbox, after every earlier send to it.
+    Send {
+        /// The decode inbox.
+        endpoint: Endpoint,
+        /// The message.
+        frames: Frames,
+        /// The room when the message is its status (for the room's timeline).
+        status_of: Option<Room>,
+    },
+    /// Queue a job on its shard's worker. If the queue is gone, the driver reports the job
+    /// back with [`PrefillCore::finished`] as `Outcome::RoomFailed`.
+    Post {
+        /// The queue shard.
+        shard: usize,
+        /// The job.
+        job: Job,
+    },
+    /// An event for the embedder.
+    Event(EngineEvent),
+    /// The manager concluded a room (its status is final; its entries go once drained).
+    Concluded {
+        /// The room.
+        room: Room,
+        /// Success or Failed.
+        status: KVPoll,
+        /// Why it failed.
+        reason: Option<RoomError>,
+    },
+    /// A session registered again: the workers forget that it failed.
+    Revive(SessionId),
+    /// Start a new worker on `shard` (its predecessor died). If that fails, or the rank is
+    /// stopping, the driver calls [`PrefillCore::worker_lost`] instead.
+    RestartWorker(usize),
+    /// The worker of `shard` is gone for good: report every job still queued on it back with
+    /// [`PrefillCore::finished`] as `Outcome::Skipped` (later jobs for it never leave the core).
+    Bury(usize),
+    /// Probe the decode inbox behind `session` (staged rooms wait on it); report a dead one
+    /// with [`PrefillCore::session_lost`].
+    Probe {
+        /// The session.
+        session: SessionId,
+        /// Its decode's inbox.
+        inbox: Endpoint,
+    },
+    /// The rank's fatal fault, now that no batch is outstanding (or [`DRAIN_LIMIT`] passed):
+    /// the driver flushes its sends and hands it to the process.
+    Fatal(Arc<TransferThreadFailed>),
+}
+
+/// The rank's state, one owner.
+pub struct PrefillCore {
+    cfg: CoreConfig,
+    mgr: PrefillManager,
+    staging: Option<StagingDriver>,
+    view: Arc<crate::engine::owner::View>,
+    /// Shards whose worker died and was not restarted: their jobs are completed unsent.
+    dead_shards: BTreeSet<usize>,
+    /// Every room the manager may hold.
+    known: BTreeSet<Room>,
+    /// Rooms announced to the forward pass (`EngineEvent::Ready`).
+    announced: BTreeSet<Room>,
+    /// Rooms concluded whose entries the manager still holds.
+    concluded: BTreeMap<Room, KVPoll>,
+    /// Per-room cancel flags shared with the jobs in the workers' queues.
+    cancel: BTreeMap<Room, Arc<AtomicBool>>,
+    /// When each room's last chunk was handed over (`kvx_room_latency_seconds` ends at its
+    /// first status).
+    last_chunk: BTreeMap<Room, Instant>,
+    /// A worker died and is not restarted: the fault, handed out once the batches drained.
+    dying: Option<(TransferThreadFailed, Instant)>,
+    /// The fault once handed out.
+    fatal: Option<Arc<TransferThreadFailed>>,
+    next_housekeeping: Instant,
+    /// Staging sessions probed for liveness, with when the last probe started.
+    probed: BTreeMap<SessionId, Instant>,
+}
+
+impl PrefillCore {
+    /// A core over `mgr` (and `staging`, when the rank stages), started at `now`.
+    pub fn new(
+        cfg: CoreConfig,
+        mgr: PrefillManager,
+        staging: Option<StagingDriver>,
+        now: Instant,
+    ) -> Self {
+        PrefillCore {
+            cfg,
+            mgr,
+            staging,
+            view: Arc::default(),
+            dead_shards: BTreeSet::new(),
+            known: BTreeSet::new(),
+            announced: BTreeSet::new(),
+            concluded: BTreeMap::new(),
+            cancel: BTreeMap::new(),
+            last_chunk: BTreeMap::new(),
+            dying: None,
+            fatal: None,
+            next_housekeeping: now + HOUSEKEEPING,
+            probed: BTreeMap::new(),
+        }
+    }
+
+    /// The room manager (read only).
+    pub fn manager(&self) -> &PrefillManager {
+        &self.mgr
+    }
+
+    /// The staging driver, when the rank stages (read only).
+    pub fn staging(&self) -> Option<&StagingDriver> {
+        self.staging.as_ref()
+    }
+
+    /// A room's status, `None` once the manager dropped it.
+    pub fn poll(&self, room: Room) -> Option<KVPoll> {
+        self.mgr.poll(room)
+    }
+
+    /// The fatal fault once handed out.
+    pub fn fatal(&self) -> Option<Arc<TransferThreadFailed>> {
+        self.fatal.clone()
+    }
+
+    /// The view the embedder reads without a round trip.
+    pub(crate) fn view(&self) -> Arc<crate::engine::owner::View> {
+        self.view.clone()
+    }
+
+    /// When [`on_time`](Self::on_time) next has work: the manager's next deadline, or the
+    /// housekeeping while staging holds state or a fatal fault waits for the batches to drain
+    /// (`None`: nothing is due; a driver may still call `on_time` on its own period).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let busy = self.dying.is_some() || self.staging.as_ref().is_some_and(|d| !d.is_idle());
+        let housekeeping = busy.then_some(self.next_housekeeping);
+        match (self.mgr.poll_timeout(), housekeeping) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Deadlines and housekeeping due at `now`.
+    pub fn on_time(&mut self, now: Instant, out: &mut Vec<Output>) {
+        if self.mgr.poll_timeout().is_some_and(|t| t <= now) {
+            let _ = self.handle(now, PrefillEvent::Tick, None, out);
+        }
+        if now >= self.next_housekeeping {
+            self.next_housekeeping = now + HOUSEKEEPING;
+            self.staging_housekeeping(now, out);
+            self.gauges();
+            self.check_dying(now, true, out);
+        }
+    }
+
+    /// The embedder opened a sender for `room` (its request arrived).
+    pub fn open_room(
+        &mut self,
+        now: Instant,
+        room: Room,
+        out: &mut Vec<Output>,
+    ) -> Result<(), PrefillError> {
+        self.known.insert(room);
+        let r = self.handle(now, PrefillEvent::SenderCreated { room }, Some(room), out);
+        self.check_dying(now, false, out);
+        r
+    }
+
+    /// The embedder initialised `room`'s sender: `num_pages` source pages, aux row `aux_row`.
+    pub fn init_room(
+        &mut self,
+        now: Instant,
+        room: Room,
+        num_pages: usize,
+        aux_row: u64,
+        out: &mut Vec<Output>,
+    ) -> Result<(), PrefillError> {
+        let event = PrefillEvent::SenderInit {
+            room,
+            num_pages,
+            aux_row,
+        };
+        let r = self.handle(now, event, Some(room), out);
+        self.check_dying(now, false, out);
+        r
+    }
+
+    /// The forward pass handed over one chunk of `room`.
+    pub fn send(
+        &mut self,
+        now: Instant,
+        room: Room,
+        chunk: Chunk,
+        out: &mut Vec<Output>,
+    ) -> Result<(), PrefillError> {
+        let last = chunk.is_last;
+        if last {
+            crate::timeline::stage!(room, "loop");
+        }
+        let r = self.handle(now, PrefillEvent::Chunk { room, chunk }, Some(room), out);
+        if last && r.is_ok() && self.mgr.poll(room).is_some() {
+            self.last_chunk.entry(room).or_insert(now);
+        }
+        self.check_dying(now, false, out);
+        r
+    }
+
+    /// Fails an open room from this side; every decode of the room is told once it drained.
+    /// False when the room was not open.
+    pub fn fail_room(
+        &mut self,
+        now: Instant,
+        room: Room,
+        reason: &str,
+        out: &mut Vec<Output>,
+    ) -> bool {
+        let r = self.fail(now, room, reason, out);
+        self.check_dying(now, false, out);
+        r
+    }
+
+    fn fail(&mut self, now: Instant, room: Room, reason: &str, out: &mut Vec<Output>) -> bool {
+        if self.mgr.poll(room).is_none_or(KVPoll::is_terminal) {
+            return false;
+        }
+        let event = PrefillEvent::SenderFailed {
+            room,
+            reason: reason.to_owned(),
+        };
+        self.handle(now, event, Some(room), out).is_ok()
+    }
+
+    /// A message from a decode. An error is the manager's refusal (logged and counted here; the
+    /// message is dropped and nothing is sent).
+    pub fn inbound(
+        &mut self,
+        now: Instant,
+        msg: PrefillInbound,
+        out: &mut Vec<Output>,
+    ) -> Result<(), PrefillError> {
+        let r = match msg {
+            PrefillInbound::Registration(reg) => {
+                let (session, endpoint) = (reg.session.clone(), reg.endpoint.clone());
+                let v0523 = reg.accepts_status_reason();
+                let r = self.handle(now, PrefillEvent::Register(*reg), None, out);
+                match &r {
+                    Ok(()) => {
+                        out.push(Output::Revive(session.clone()));
+                        metrics::counter!("kvx_registrations_total").increment(1);
+                        tracing::info!(%session, %endpoint, sglang_0_5_23 = v0523, "decode registered");
+                    }
+                    Err(e) => {
+                        // A DCP size or rank this rank cannot pair with (sglang 0.5.23 refuses
+                        // DCP 1 with a non-zero rank too): dropped, the session stays unknown.
+                        metrics::counter!("kvx_malformed_frames_total", "kind" => e.kind())
+                            .increment(1);
+                        tracing::warn!(%session, %endpoint, error = %e, "registration refused");
+                    }
+                }
+                r
+            }
+            PrefillInbound::Metadata(req) => self.metadata(now, *req, out),
+            PrefillInbound::Abort {
+                room,
+                endpoint,
+                generation,
+            } => {
+                let form = if generation.is_some() { "5" } else { "4" };
+                metrics::counter!("kvx_aborts_total", "frames" => form).increment(1);
+                let event = PrefillEvent::Abort {
+                    room,
+                    endpoint,
+                    generation,
+                };
+                self.handle(now, event, Some(room), out)
+            }
+            PrefillInbound::StagingRsp(rsp) => {
+                self.staging_rsp(now, &rsp, out);
+                Ok(())
+            }
+            PrefillInbound::Watermark(wm) => {
+                self.staging_watermark(now, &wm, out);
+                Ok(())
+            }
+        };
+        self.check_dying(now, false, out);
+        r
+    }
+
+    fn metadata(
+        &mut self,
+        now: Instant,
+        req: kvx_core::TransferRequest,
+        out: &mut Vec<Output>,
+    ) -> Result<(), PrefillError> {
+        let room = req.room;
+        let pages = req.dst.as_ref().map_or(0, |d| d.kv_pages.len());
+        let total_pages = req.dst.as_ref().map(|d| d.kv_pages.len());
+        let session = req.session.clone();
+        self.known.insert(room);
+        if let Err(e) = self.handle(now, PrefillEvent::Metadata(req), Some(room), out) {
+            // An unregistered session, or too many rooms waiting for their sender: nothing is
+            // sent anywhere.
+            metrics::counter!("kvx_metadata_refused_total", "reason" => e.kind()).increment(1);
+            tracing::warn!(%room, %session, error = %e, "metadata refused");
+            return Err(e);
+        }
+        if let Some(total_pages) = total_pages {
+            self.staging_open(now, room, &session, total_pages, out);
+        }
+        if self.cfg.auto_open {
+            // The synthetic forward pass: every announced room gets a sender.
+            let _ = self.handle(now, PrefillEvent::SenderCreated { room }, Some(room), out);
+        }
+        if let Some(reason) = self.fatal_text() {
+            // The rank is going down: a room opened now can never be served.
+            let _ = self.handle(now, PrefillEvent::Fatal { reason }, None, out);
+            return Ok(());
+        }
+        if self.mgr.poll(room) == Some(KVPoll::WaitingForInput) && self.announced.insert(room) {
+            out.push(Output::Event(EngineEvent::Ready { room, pages }));
+        }
+        Ok(())
+    }
+
+    /// A worker finished `job` (nothing of it can still reach the decode): reports its batch,
+    /// or its staged chunk, to the manager.
+    pub fn finished(&mut self, now: Instant, job: Job, outcome: Outcome, out: &mut Vec<Output>) {
+        self.complete(now, job, outcome, out);
+        self.check_dying(now, false, out);
+    }
+
+    fn complete(&mut self, now: Instant, job: Job, outcome: Outcome, out: &mut Vec<Output>) {
+        let Job { room, work, .. } = job;
+        crate::timeline::stage!(room, "completed");
+        let written = matches!(outcome, Outcome::Done);
+        let result = match outcome {
+            Outcome::Done | Outcome::Skipped => Ok(()),
+            // A failed transfer blacklists the session (the manager fails every open room
+            // writing to it).
+            Outcome::PeerFailed(reason) => Err(reason),
+            Outcome::RoomFailed(reason) => {
+                // One room's problem: fail it (every decode rank of the room is told once it
+                // drained); the session stays usable.
+                self.fail(now, room, &reason, out);
+                Ok(())
+            }
+        };
+        match work {
+            Work::Batch { batch_id, .. } => {
+                let event = PrefillEvent::BatchDone { batch_id, result };
+                let _ = self.handle(now, event, Some(room), out);
+            }
+            Work::Stage(w) => {
+                if written {
+                    let rank = self.mgr.prefill_unique_rank();
+                    let frames = wire::encode_chunk_ready(&w.chunk_ready(rank));
+                    out.push(Output::Send {
+                        endpoint: w.endpoint.clone(),
+                        frames,
+                        status_of: None,
+                    });
+                }
+                self.with_staging(now, out, |d, fx| d.chunk_done(&w.batches, result, fx));
+            }
+        }
+    }
+
+    /// The worker of `shard` died on `job` (if it held one) with `fault`: every open room
+    /// fails; the worker is restarted ([`Output::RestartWorker`]) when the rank restarts
+    /// workers, else its shard is buried and the rank reports the fault once nothing of any room
+    /// is in flight ([`Output::Fatal`]).
+    pub fn died(
+        &mut self,
+        now: Instant,
+        shard: usize,
+        job: Option<Job>,
+        fault: WorkerFault,
+        out: &mut Vec<Output>,
+    ) {
+        let cause = fault.cause();
+        let err = TransferThreadFailed {
+            inner: fault,
+            bootstrap_port: self.cfg.bootstrap_port,
+            shard,
+        };
+        tracing::error!(shard, cause, "{err}");
+        metrics::counter!("kvx_worker_failures_total", "cause" => cause).increment(1);
+        let reason = err.to_string();
+        let _ = self.handle(now, PrefillEvent::Fatal { reason }, None, out);
+        // The job the worker died on: nothing more of it is written by that thread.
+        if let Some(job) = job {
+            self.complete(now, job, Outcome::Skipped, out);
+        }
+        if self.cfg.restart_workers {
+            metrics::counter!("kvx_worker_restarts_total").increment(1);
+            out.push(Output::RestartWorker(shard));
+        } else {
+            self.dead_shards.insert(shard);
+            out.push(Output::Bury(shard));
+            if self.dying.is_none() {
+                self.dying = Some((err, now));
+            }
+        }
+        self.check_dying(now, false, out);
+    }
+
+    /// The worker of `shard` could not be restarted (or the rank is stopping): its shard is
+    /// buried. A rank that restarts workers keeps serving on the other shards.
+    pub fn worker_lost(&mut self, now: Instant, shard: usize, out: &mut Vec<Output>) {
+        self.dead_shards.insert(shard);
+        out.push(Output::Bury(shard));
+        self.check_dying(now, false, out);
+    }
+
+    /// A liveness probe found `session`'s decode gone: the manager fails its open rooms.
+    pub fn session_lost(&mut self, now: Instant, session: SessionId, out: &mut Vec<Output>) {
+        let _ = self.handle(now, PrefillEvent::SessionLost { session }, None, out);
+        self.check_dying(now, false, out);
+    }
+
+    /// Hands out a pending fatal fault once no batch is outstanding (or after [`DRAIN_LIMIT`]).
+    fn check_dying(&mut self, now: Instant, timed: bool, out: &mut Vec<Output>) {
+        let Some((_, since)) = &self.dying else {
+            return;
+        };
+        let drained = self.mgr.live_entries().batches == 0;
+        let overdue = timed && now.saturating_duration_since(*since) >= DRAIN_LIMIT;
+        if !drained && !overdue {
+            return;
+        }
+        let Some((err, _)) = self.dying.take() else {
+            return;
+        };
+        if !drained {
+            tracing::error!("batches still outstanding after {DRAIN_LIMIT:?}; reporting anyway");
+        }
+        let err = Arc::new(err);
+        self.fatal = Some(err.clone());
+        out.push(Output::Fatal(err));
+    }
+
+    fn fatal_text(&self) -> Option<String> {
+        self.dying
+            .as_ref()
+            .map(|(e, _)| e.to_string())
+            .or_else(|| self.fatal.as_ref().map(|e| e.to_string()))
+    }
+
+    /// Queues a job on its session's shard (completing it unsent when that shard's worker is
+    /// dead).
+    fn post(
+        &mut self,
+        now: Instant,
+        room: Room,
+        session: SessionId,
+        work: Work,
+        out: &mut Vec<Output>,
+    ) {
+        let shard = self.shard_of(&session);
+        let cancel = self.cancel.entry(room).or_default().clone();
+        let job = Job {
+            room,
+            session,
+            work,
+            cancel,
+        };
+        if self.dead_shards.contains(&shard) {
+            self.complete(now, job, Outcome::Skipped, out);
+            return;
+        }
+        crate::timeline::stage!(room, "posted");
+        out.push(Output::Post { shard, job });
+    }
+
+    /// The transfer queue of a decode session: all chunks of a room stay on one queue, in order.
+    fn shard_of(&self, session: &SessionId) -> usize {
+        (session.port().unwrap_or(0) % self.cfg.queues.max(1) as u64) as usize
+    }
+
+    /// Sets a room's cancel flag: its queued jobs are skipped.
+    fn cancel_room(&self, room: Room) {
+        if let Some(flag) = self.cancel.get(&room) {
+            flag.store(true, Ordering::Release);
+        }
+    }
+}
