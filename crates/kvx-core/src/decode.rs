@@ -4,7 +4,14 @@
 //! ranks known) → Success once `required_prefill_response_num` *distinct* prefill ranks reported
 //! status 4 (repeats are not double counted). It fails on a status 0, on heartbeat loss for its
 //! bootstrap address, on a local abort, or when it waits longer than the waiting timeout after its
-//! metadata went out — the last two emit an `ABORT` to every prefill rank of the room. Status
+//! metadata went out. Every failure but the loss of one rank's inbox emits an `ABORT` to every
+//! prefill rank of the room: with TP fan-in, the ranks that did not fail keep no batch of the
+//! room queued behind slow writes after the decode gave up on it (they fail the room, skip what
+//! they still hold and acknowledge once drained), so the pages can come back on every rank's word
+//! rather than at the driver's release timeout; a rank that reported status 0 has nothing in
+//! flight and acknowledges at once, and after a lost heartbeat the ranks still running (one
+//! rank's process died, or only the bootstrap server) stop too. A lost rank's inbox sends none
+//! (nothing there could acknowledge it). Status
 //! messages for rooms it does not hold are dropped. Terminal rooms are released at once; the
 //! [`DecodeAction::Concluded`] action carries the outcome to the driver.
 //!
@@ -344,7 +351,7 @@ impl DecodeManager {
                             prefill_rank,
                             reason,
                         };
-                        self.fail(room, why, false, out);
+                        self.fail(room, why, true, out);
                     }
                     _ => {}
                 }
@@ -362,7 +369,9 @@ impl DecodeManager {
                     let why = DecodeFailure::LostConnection {
                         bootstrap_addr: bootstrap_addr.clone(),
                     };
-                    self.fail(room, why, false, out);
+                    // The instance's ranks may outlive its heartbeat (one rank's process died,
+                    // or only the bootstrap server): the ones still running stop and acknowledge.
+                    self.fail(room, why, true, out);
                 }
             }
             DecodeEvent::RankLost { endpoint } => {
@@ -686,14 +695,19 @@ mod tests {
             &mut out,
         )
         .unwrap();
+        // A status 0 aborts the room on both prefill ranks (the other one stops writing), then
+        // concludes it.
         let [
+            DecodeAction::SendAbort { endpoint: e0, .. },
+            DecodeAction::SendAbort { endpoint: e1, .. },
             DecodeAction::Concluded {
                 reason: Some(why), ..
             },
         ] = out.as_slice()
         else {
-            panic!("expected a conclusion: {out:?}");
+            panic!("expected two aborts and a conclusion: {out:?}");
         };
+        assert_ne!(e0, e1);
         assert_eq!(why.to_string(), "Failed to send kv chunk");
         out.clear();
 
@@ -734,9 +748,16 @@ mod tests {
             &mut out,
         )
         .unwrap();
-        assert_eq!(out.len(), 1);
+        // The ranks still running stop writing: one ABORT per rank of the room, then the
+        // conclusion.
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert!(
+            out[..2]
+                .iter()
+                .all(|a| matches!(a, DecodeAction::SendAbort { room: r, .. } if *r == room(1)))
+        );
         assert_eq!(
-            out[0],
+            out[2],
             DecodeAction::Concluded {
                 room: room(1),
                 status: KVPoll::Failed,

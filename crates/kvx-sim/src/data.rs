@@ -8,11 +8,10 @@
 //! batch posted while it is down fails at once). The contract — what the managers rely on — is
 //! that a batch is answered only once nothing of it can still reach the peer, i.e. when every
 //! window landed or failed. The `late-write` mutant breaks exactly that. A staged chunk is one
-//! write whose bytes were gathered when it was posted ([`Job::Stage`], [`Write::payload`]).
+//! write whose bytes were gathered when its worker started it ([`Job::Stage`], [`Write::payload`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvx_core::prefill::BatchId;
 use kvx_core::{Room, TransferOp};
 
 use crate::clock::{Nanos, US};
@@ -55,16 +54,29 @@ pub enum BatchResult {
 /// What a posted batch carries out for the prefill driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Job {
-    /// A manager batch (`PostBatch`): its ops copy prefill memory to decode memory.
-    Batch(BatchId),
-    /// A staged chunk's one write into the decode's ring (the staging driver's work `work`, the
-    /// chunk `chunk` of the grid); its bytes were gathered when it was posted.
+    /// A manager batch (`PostBatch`): its ops copy prefill memory to decode memory; `job` is the
+    /// prefill worker's id for it.
+    Batch {
+        /// The worker's job id.
+        job: u64,
+    },
+    /// A staged chunk's one write into the decode's ring (the worker's job `job`, the chunk
+    /// `chunk` of the grid); its bytes were gathered when the worker started it.
     Stage {
-        /// The staging driver's work id.
-        work: u64,
+        /// The worker's job id.
+        job: u64,
         /// The chunk index.
         chunk: u32,
     },
+}
+
+impl Job {
+    /// The prefill worker's id for the job.
+    pub fn job(&self) -> u64 {
+        match self {
+            Job::Batch { job } | Job::Stage { job, .. } => *job,
+        }
+    }
 }
 
 /// A post to the data plane.

@@ -75,6 +75,7 @@ pub fn replay(seed: u64, mutant: Option<Mutant>, v: &Violation) -> (Vec<String>,
     });
     w.run();
     let same = w.check.violations.first() == Some(v);
-    let lines = w.trace.map(|t| t.lines).unwrap_or_default();
+    let mut lines = vec![format!("scenario: {:?}", w.sc)];
+    lines.extend(w.trace.map(|t| t.lines).unwrap_or_default());
     (lines, same)
 }

@@ -65,6 +65,10 @@ pub struct Scenario {
     pub state: bool,
     /// How long a crashed decode stays down before it restarts.
     pub decode_down: Nanos,
+    /// Transfer queue shards (workers) per prefill rank.
+    pub queues: u32,
+    /// A prefill rank restarts a worker that died instead of going down.
+    pub restart_workers: bool,
 }
 
 /// The staging parameters of a seed whose rooms go through the decodes' rings.
@@ -76,10 +80,6 @@ pub struct StagingConfig {
     pub ring_bytes: u64,
     /// A chunk parked this long (no ring space) fails its room (kvx's `staging_wait_timeout`).
     pub wait_timeout: Nanos,
-    /// The prefill's staging housekeeping period (expiry, forgotten rooms, probes).
-    pub housekeeping: Nanos,
-    /// How often a decode session that staged rooms wait on is probed.
-    pub probe_period: Nanos,
     /// The gap between the two connects of one probe.
     pub probe_retry: Nanos,
 }
@@ -147,6 +147,8 @@ impl Scenario {
             aux_tcp: false,
             state: false,
             decode_down: 200 * MS,
+            queues: 1,
+            restart_workers: false,
         };
         // One faulty seed in six is a restart storm: decodes crash and come back often while
         // many control messages crawl, so metadata sent by one incarnation keeps reaching
@@ -186,8 +188,6 @@ impl Scenario {
                 grid_pages,
                 ring_bytes,
                 wait_timeout: rng.range(2 * SEC, 5 * SEC),
-                housekeeping: SEC,
-                probe_period: 2 * SEC,
                 probe_retry: 500 * MS,
             });
             // Crashed decodes stay down long enough for the prefill's probes to notice (the
@@ -200,6 +200,10 @@ impl Scenario {
                 }
             }
         }
+        // The prefill engine's worker shards: one to three queues, and one rank in three
+        // restarts a worker that died.
+        self.queues = rng.range(1, 3) as u32;
+        self.restart_workers = rng.below(3) == 0;
     }
 
     /// A room must be terminal on every rank this long after it was spawned.

@@ -5,8 +5,10 @@
 //! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. With a device KV pool
 //! ([`crate::region::Region::from_raw_device`]) that check is skipped — the CPU cannot read the
 //! pages — and the release rests on the `ABORT_ACK`s and the release timeout alone (no late write
-//! is ever counted). A room that failed without an `ABORT` (the prefill reported it, or the
-//! prefill is gone) keeps its pages for [`FAILED_GRACE`].
+//! is ever counted). A room that failed without an `ABORT` (its prefill instance or rank is gone)
+//! keeps its pages for [`FAILED_GRACE`]; one a prefill rank reported Failed is ABORTed on every
+//! rank (`kvx-core`'s decode manager), so with TP fan-in the ranks that did not fail stop writing
+//! and acknowledge before its pages go back.
 //!
 //! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
 //! generation counts only when it is the room's current one (a late ACK of an earlier abort of a

@@ -129,10 +129,10 @@ impl World {
                 reason,
             } => {
                 self.decodes[d as usize].last_poll.remove(&room);
-                let mut excused = false;
+                let mut excused = self.queued_long(room);
                 if let Some(rec) = self.rooms.get_mut(&room) {
                     let prev = rec.d_done.insert(d, (status, now));
-                    excused = rec.excused;
+                    excused |= rec.excused;
                     let fatal: Vec<u32> = rec.fatal.iter().copied().collect();
                     self.check
                         .check(Inv::StatusMonotonic, prev.is_none(), Some(room), || {

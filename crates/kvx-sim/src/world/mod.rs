@@ -1,5 +1,6 @@
-//! The simulated world of one seed: prefill and decode ranks running the real kvx-core
-//! managers (and, in staged seeds, kvx-engine's real prefill staging driver, `stage_prefill`), a
+//! The simulated world of one seed: prefill ranks running kvx-engine's real `PrefillCore` (the
+//! prefill engine's owner-loop rules over the real kvx-core manager and, in staged seeds, the real
+//! staging driver) with simulated workers, decode ranks running the real kvx-core manager, a
 //! simulated control plane ([`crate::net`]), data plane ([`crate::data`]) and clock,
 //! one event queue ordered by (time, sequence), and the invariant checks at every step.
 //!
@@ -15,15 +16,14 @@ mod nodes;
 mod prefill;
 mod stage_decode;
 mod stage_prefill;
+mod worker;
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::Instant;
 
 use kvx_core::mapping::{MappingInput, map_ranks};
-use kvx_core::{
-    DecodeAction, DecodeConfig, DecodeManager, Endpoint, KVPoll, PrefillAction, Room, SessionId,
-};
+use kvx_core::{DecodeAction, DecodeConfig, DecodeManager, Endpoint, KVPoll, Room, SessionId};
 
 use crate::clock::{Clock, MS, Nanos, US};
 use crate::data::{Answer, Data, DataEv};
@@ -77,7 +77,7 @@ pub enum Ev {
         /// Chunk index.
         k: usize,
     },
-    /// Prefill rank `p`'s manager deadline.
+    /// Prefill rank `p`'s core deadline (the manager's, or the housekeeping's).
     PrefillTick {
         /// Rank.
         p: u32,
@@ -114,7 +114,16 @@ pub enum Ev {
         /// Room.
         room: Room,
     },
-    /// A worker of prefill rank `p` dies (`PrefillEvent::Fatal`).
+    /// The worker of prefill rank `p`'s `shard` takes its next jobs.
+    Pump {
+        /// Rank.
+        p: u32,
+        /// Incarnation.
+        inc: u32,
+        /// The queue shard.
+        shard: usize,
+    },
+    /// A fatal fault hits a worker of prefill rank `p` (it dies once its posted jobs answered).
     Fatal {
         /// Rank.
         p: u32,
@@ -143,13 +152,6 @@ pub enum Ev {
     DecodeRestart {
         /// Rank.
         d: u32,
-    },
-    /// Prefill rank `p`'s staging housekeeping (expiry, forgotten rooms, probes).
-    StagingHousekeeping {
-        /// Rank.
-        p: u32,
-        /// Incarnation.
-        inc: u32,
     },
     /// One connect of prefill rank `p`'s liveness probe of the decode behind `session`.
     Probe {
@@ -301,7 +303,6 @@ pub struct World {
     pub stats: Stats,
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
-    pub(crate) pacts: Vec<PrefillAction>,
     pub(crate) dacts: Vec<DecodeAction>,
 }
 
@@ -373,7 +374,6 @@ impl World {
             stats: Stats::default(),
             mutant,
             trace: None,
-            pacts: Vec::new(),
             dacts: Vec::new(),
             rng,
             sc,
@@ -387,23 +387,22 @@ impl World {
                 48,
             );
             let mut node = PrefillNode {
-                mgr: w.new_prefill_manager(p, &mem),
+                core: w.new_prefill_core(p, &mem),
                 mem,
                 inc: 0,
                 free_pages: Vec::new(),
                 free_rows: Vec::new(),
                 rooms: BTreeMap::new(),
                 awaiting: BTreeSet::new(),
-                concluded: BTreeSet::new(),
                 last_poll: BTreeMap::new(),
                 fatal: false,
                 exiting: false,
                 down: false,
                 tick_at: None,
-                stager: None,
+                workers: worker::Workers::new(w.sc.queues as usize),
+                fed: BTreeMap::new(),
             };
             node.reset_pools();
-            node.stager = w.new_prefill_stager(p);
             w.prefills.push(node);
         }
         for d in 0..w.sc.decode_tp {
@@ -657,7 +656,7 @@ impl World {
             Ev::HeartbeatLost { d } => self.decode_heartbeat_lost(d),
             Ev::DecodeCrash { d } => self.decode_crash(d),
             Ev::DecodeRestart { d } => self.decode_restart(d),
-            Ev::StagingHousekeeping { p, inc } => self.prefill_staging_housekeeping(p, inc),
+            Ev::Pump { p, inc, shard } => self.worker_pump(p, inc, shard),
             Ev::Probe {
                 p,
                 inc,
@@ -810,8 +809,8 @@ impl World {
             if n.down {
                 continue;
             }
-            let live = n.mgr.live_entries();
-            let held = n.rooms.len() + n.awaiting.len() + n.concluded.len();
+            let live = n.core.manager().live_entries();
+            let held = n.rooms.len() + n.awaiting.len();
             let free =
                 n.free_pages.len() as u64 == n.mem.pages && n.free_rows.len() as u64 == n.mem.rows;
             self.check.check(Inv::NoLeak, live.is_empty(), None, || {
@@ -820,11 +819,21 @@ impl World {
             self.check.check(Inv::NoLeak, held == 0 && free, None, || {
                 format!("prefill rank {p}: driver holds {held} rooms, pages/rows all free: {free}")
             });
-            if let Some(st) = &n.stager {
-                self.check.check(Inv::NoLeak, st.is_idle(), None, || {
-                    format!("prefill rank {p}: its stager holds {}", st.held())
+            if let Some(st) = n.core.staging() {
+                let idle = st.is_idle() && n.fed.is_empty();
+                self.check.check(Inv::NoLeak, idle, None, || {
+                    format!(
+                        "prefill rank {p}: its staging holds {} rooms, {} parked chunks, {} fed chunks",
+                        st.room_count(),
+                        st.parked_count(),
+                        n.fed.len()
+                    )
                 });
             }
+            let jobs = n.workers.posted();
+            self.check.check(Inv::NoLeak, jobs == 0, None, || {
+                format!("prefill rank {p}: its workers hold {jobs} jobs")
+            });
         }
         for d in 0..self.decodes.len() {
             let n = &self.decodes[d];

@@ -4,13 +4,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvx_core::mapping::PrefillTarget;
-use kvx_core::{DecodeManager, KVPoll, PrefillManager, Room};
+use kvx_core::{DecodeManager, KVPoll, Room};
+use kvx_engine::prefill_core::PrefillCore;
 
 use crate::clock::Nanos;
 use crate::memory::RankMemory;
 
 use super::stage_decode::DecodeStager;
-use super::stage_prefill::PrefillStager;
+use super::worker::Workers;
 
 /// What a prefill driver holds for one opened room.
 #[derive(Clone, Debug)]
@@ -21,11 +22,11 @@ pub struct PRoom {
     pub row: u64,
 }
 
-/// One prefill rank: the real manager plus the driver's state.
-#[derive(Debug)]
+/// One prefill rank: kvx-engine's real core (room manager, staging driver, the owner loop's
+/// rules) plus what the simulated embedder and workers hold.
 pub struct PrefillNode {
-    /// The real room manager.
-    pub mgr: PrefillManager,
+    /// The real core.
+    pub core: PrefillCore,
     /// Registered memory.
     pub mem: RankMemory,
     /// Process incarnation (bumped when it exits).
@@ -38,11 +39,9 @@ pub struct PrefillNode {
     pub rooms: BTreeMap<Room, PRoom>,
     /// Opened rooms waiting for their metadata before the forward pass starts.
     pub awaiting: BTreeSet<Room>,
-    /// Concluded rooms whose memory is freed once the manager dropped them.
-    pub concluded: BTreeSet<Room>,
     /// Last status seen per held room.
     pub last_poll: BTreeMap<Room, KVPoll>,
-    /// A fatal worker fault hit it; it exits once its batches drained.
+    /// A worker died and is not restarted: the rank exits once the core hands out the fault.
     pub fatal: bool,
     /// Its exit is scheduled.
     pub exiting: bool,
@@ -50,8 +49,11 @@ pub struct PrefillNode {
     pub down: bool,
     /// When the next `Tick` is scheduled.
     pub tick_at: Option<Nanos>,
-    /// The staging driver, when the seed stages.
-    pub stager: Option<PrefillStager>,
+    /// The transfer workers.
+    pub workers: Workers,
+    /// When the forward pass last fed each (room, grid chunk) of a staged room, until the room
+    /// concludes (the long-wait excuse, `stage_prefill.rs`).
+    pub fed: BTreeMap<(Room, u32), Nanos>,
 }
 
 /// What a decode driver holds for one room (kept after release, for the write checks).

@@ -1,25 +1,33 @@
-//! The prefill side of the world: a driver around the real `PrefillManager` that plays
-//! kvx-engine's prefill engine — it opens senders, runs the forward pass chunk by chunk once a room
-//! is bootstrapped, performs the manager's actions in order (room row, batches to the data
-//! plane, status and `ABORT_ACK` to the network), reports every batch answer, ticks at
-//! `poll_timeout()`, and frees a room's source memory only once the manager dropped it.
+//! The prefill side of the world: kvx-engine's real [`PrefillCore`] — the rules of the prefill
+//! engine's owner loop over the real `PrefillManager` and staging driver — driven the way the
+//! engine's loop drives it, with the simulated clock, network, data plane and workers in place of
+//! real ones.
+//!
+//! The world plays the embedder (it opens senders, runs the forward pass chunk by chunk once a
+//! room is bootstrapped, frees a room's source memory on the core's `Released` event) and
+//! performs the core's [`Output`]s in order: room rows into the rank's memory, messages onto the
+//! simulated network (the frames parsed with kvx-engine's own wire parser, as the decode's inbox
+//! reads them), jobs onto the simulated workers (`worker.rs`), liveness probes, and the rank's
+//! exit once the core hands out its fatal fault. It re-derives none of the core's rules; it only
+//! records what it observes for the invariants.
+
+use std::time::Instant;
 
 use kvx_core::prefill::LocalMemory;
-use kvx_core::{
-    Chunk, KVPoll, PageSlice, PrefillAction, PrefillConfig, PrefillEvent, PrefillManager, Room,
-    SessionId, fill_room_row,
-};
+use kvx_core::{Chunk, KVPoll, PageSlice, PrefillConfig, PrefillManager, Room, fill_room_row};
+use kvx_engine::engine::EngineEvent;
+use kvx_engine::prefill_core::{CoreConfig, Output, PrefillCore};
+use kvx_engine::wire::{DecodeInbound, PrefillInbound, parse_decode_inbound};
 
 use super::{Ev, World, decode_endpoint};
 use crate::clock::{MS, US, dur};
-use crate::data::{Answer, BatchResult, Job, Write};
 use crate::invariants::Inv;
 use crate::memory::{RankMemory, TOTAL_HEADS};
 use crate::net::{Msg, Node};
 
 impl World {
-    /// A fresh manager for rank `p` (with the run's mutant armed).
-    pub(crate) fn new_prefill_manager(&self, p: u32, mem: &RankMemory) -> PrefillManager {
+    /// A fresh core for rank `p` (with the run's mutant armed in its manager).
+    pub(crate) fn new_prefill_core(&self, p: u32, mem: &RankMemory) -> PrefillCore {
         let cfg = PrefillConfig {
             attn_tp_rank: p,
             attn_tp_size: self.sc.prefill_tp,
@@ -45,39 +53,55 @@ impl World {
         let mut mgr = PrefillManager::new(cfg, local);
         #[cfg(feature = "mutants")]
         mgr.set_sim_mutant(self.mutant.and_then(crate::mutants::Mutant::core));
-        mgr
+        let core_cfg = CoreConfig {
+            bootstrap_port: 8998,
+            queues: self.sc.queues as usize,
+            auto_open: false,
+            restart_workers: self.sc.restart_workers,
+        };
+        PrefillCore::new(
+            core_cfg,
+            mgr,
+            self.new_staging_driver(p),
+            self.clock.instant(),
+        )
     }
 
-    /// Feeds one event to rank `p`'s manager and performs what it asks.
-    pub(crate) fn prefill_event(&mut self, p: u32, ev: PrefillEvent) -> bool {
-        let room = event_room(&ev);
+    /// Runs one input on rank `p`'s core and performs its outputs; `room` is the input's room,
+    /// whose status is observed beside those the outputs name.
+    pub(crate) fn prefill_call<R>(
+        &mut self,
+        p: u32,
+        room: Option<Room>,
+        f: impl FnOnce(&mut PrefillCore, Instant, &mut Vec<Output>) -> R,
+    ) -> R {
         let now = self.clock.instant();
-        let mut out = std::mem::take(&mut self.pacts);
-        out.clear();
-        let res = self.prefills[p as usize].mgr.handle(now, ev, &mut out);
+        let mut out = Vec::new();
+        let r = f(&mut self.prefills[p as usize].core, now, &mut out);
         if let Some(r) = room {
             self.observe_prefill(p, r);
         }
         let mut last = room;
-        for a in &out {
-            let r = a.room();
-            if last != Some(r) {
-                self.observe_prefill(p, r);
-                last = Some(r);
+        for o in &out {
+            let r = output_room(o);
+            if r.is_some() && r != last {
+                if let Some(r) = r {
+                    self.observe_prefill(p, r);
+                }
+                last = r;
             }
         }
-        for a in out.drain(..) {
-            self.prefill_action(p, a);
+        for o in out {
+            self.prefill_output(p, o);
         }
-        self.pacts = out;
         self.after_prefill(p);
-        res.is_ok()
+        r
     }
 
     /// Status monotonic on the prefill side.
     fn observe_prefill(&mut self, p: u32, room: Room) {
         let n = &mut self.prefills[p as usize];
-        let now = n.mgr.poll(room);
+        let now = n.core.poll(room);
         if let Some((prev, now, ok)) = super::status_step(&mut n.last_poll, room, now) {
             self.check.check(Inv::StatusMonotonic, ok, Some(room), || {
                 format!("prefill rank {p}: {prev} then {now}")
@@ -85,45 +109,24 @@ impl World {
         }
     }
 
-    fn prefill_action(&mut self, p: u32, a: PrefillAction) {
+    /// Performs one of the core's outputs.
+    fn prefill_output(&mut self, p: u32, o: Output) {
         if let Some(t) = &self.trace
-            && t.room == Some(a.room())
+            && (output_room(&o).is_none() || t.room == output_room(&o))
         {
-            let line = format!("  prefill {p} -> {}", brief_action(&a));
-            self.trace_line(Some(a.room()), || line);
+            let line = format!("  prefill {p} -> {}", brief_output(&o));
+            self.trace_line(output_room(&o), || line);
         }
         let now = self.clock.now();
-        match a {
-            PrefillAction::FillRoomRow { room, addr, len } => {
+        match o {
+            Output::FillRoomRow { room, addr, len } => {
                 let mem = &mut self.prefills[p as usize].mem;
                 if let Some(loc) = mem.locate(addr, len) {
                     fill_room_row(mem.bytes_mut(loc, len), room);
                 }
             }
-            PrefillAction::PostBatch {
-                room,
-                session,
-                batch_id,
-                ops,
-                ..
-            } => {
-                let write = Write {
-                    room,
-                    id: Job::Batch(batch_id),
-                    ops,
-                    payload: None,
-                };
-                self.post_write(p, &session, write);
-            }
-            PrefillAction::Stage {
-                room,
-                session,
-                batch_id,
-                slice,
-                src_pages,
-                ..
-            } => self.prefill_stage(p, room, session, batch_id, slice, src_pages),
-            PrefillAction::SendAuxData {
+            Output::Post { shard, job } => self.worker_post(p, shard, job),
+            Output::SendAuxData {
                 room,
                 endpoint,
                 index,
@@ -149,38 +152,23 @@ impl World {
                 };
                 self.send(Node::Prefill(p), Node::Decode(d), msg);
             }
-            PrefillAction::SendStatus {
+            Output::Send {
+                endpoint, frames, ..
+            } => self.prefill_send(p, &endpoint, &frames),
+            Output::Event(EngineEvent::Released { room, .. }) => {
+                // The manager dropped the room: its source memory may be reused.
+                let n = &mut self.prefills[p as usize];
+                if let Some(pr) = n.rooms.remove(&room) {
+                    n.free_pages.extend(pr.src);
+                    n.free_rows.push(pr.row);
+                }
+            }
+            Output::Event(EngineEvent::Ready { .. }) | Output::Revive(_) => {}
+            Output::Concluded {
                 room,
-                endpoint,
                 status,
-                prefill_rank,
                 reason,
-                ..
             } => {
-                let d = u32::from(endpoint.port - decode_endpoint(0).port);
-                let msg = Msg::Status {
-                    room,
-                    status,
-                    rank: prefill_rank,
-                    reason,
-                };
-                self.send(Node::Prefill(p), Node::Decode(d), msg);
-            }
-            PrefillAction::AbortAck {
-                room,
-                endpoint,
-                prefill_rank,
-                generation,
-            } => {
-                let d = u32::from(endpoint.port - decode_endpoint(0).port);
-                let msg = Msg::AbortAck {
-                    room,
-                    rank: prefill_rank,
-                    generation,
-                };
-                self.send(Node::Prefill(p), Node::Decode(d), msg);
-            }
-            PrefillAction::Concluded { room, status, .. } => {
                 if let Some(rec) = self.rooms.get_mut(&room) {
                     let prev = rec.p_done.insert(p, (status, now));
                     let fatal = rec.fatal.contains(&p);
@@ -194,57 +182,80 @@ impl World {
                         || format!("prefill rank {p} concluded {status} after its fatal fault"),
                     );
                 }
-                self.prefills[p as usize].concluded.insert(room);
-                self.prefill_staging_concluded(p, room);
+                self.prefill_staging_concluded(p, room, reason.as_ref());
+            }
+            Output::RestartWorker(shard) => self.worker_restart(p, shard),
+            Output::Bury(shard) => self.worker_bury(p, shard),
+            Output::Probe { session, .. } => {
+                let inc = self.prefills[p as usize].inc;
+                let ev = Ev::Probe {
+                    p,
+                    inc,
+                    session,
+                    retry: false,
+                };
+                self.schedule(now, ev);
+            }
+            Output::Fatal(_) => {
+                // Every batch drained: the process exits.
+                let n = &mut self.prefills[p as usize];
+                if !n.exiting {
+                    n.exiting = true;
+                    self.schedule(now + MS, Ev::PrefillExit { p });
+                }
             }
         }
     }
 
-    /// Posts a write to the decode its session names; the data plane's handshake refuses a
-    /// session id naming an earlier incarnation of the process at that address
-    /// (`TransportError::PeerRestarted`).
-    pub(crate) fn post_write(&mut self, p: u32, session: &SessionId, write: Write) {
-        let now = self.clock.now();
-        let (d, named) =
-            super::session_decode(session, self.sc.decode_tp).expect("sessions are the decodes'");
-        let p_inc = self.prefills[p as usize].inc;
-        let d_inc = self.decodes[d as usize].inc;
-        if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
-            self.answer_later(Answer {
-                p,
-                p_inc,
-                room: write.room,
-                id: write.id,
-                result: BatchResult::Lost(format!(
-                    "peer {session} restarted: it is instance {d_inc:016x} now"
-                )),
-            });
-            return;
-        }
-        let mut sched = Vec::new();
-        let answer = self.data.post(
-            &mut self.rng,
-            now,
-            (p, p_inc),
-            (d, d_inc),
-            write,
-            &mut sched,
+    /// A message to a decode: its frames as the decode's inbox parses them.
+    fn prefill_send(&mut self, p: u32, endpoint: &kvx_core::Endpoint, frames: &[Vec<u8>]) {
+        let d = (0..self.sc.decode_tp).find(|&d| decode_endpoint(d) == *endpoint);
+        let parsed = parse_decode_inbound(frames);
+        let msg = match &parsed {
+            Ok(DecodeInbound::Status {
+                room,
+                status,
+                rank,
+                reason,
+            }) => Some(Msg::Status {
+                room: *room,
+                status: *status,
+                rank: *rank,
+                reason: reason.clone(),
+            }),
+            Ok(DecodeInbound::AbortAck {
+                room,
+                rank: Some(rank),
+                generation,
+            }) => Some(Msg::AbortAck {
+                room: *room,
+                rank: *rank,
+                generation: *generation,
+            }),
+            Ok(DecodeInbound::StagingReq(req)) => Some(Msg::StagingReq(req.clone())),
+            Ok(DecodeInbound::ChunkReady(c)) => Some(Msg::ChunkReady(c.clone())),
+            _ => None,
+        };
+        // The core sends only these, and only to inboxes decodes registered: anything else is
+        // a wiring bug of the simulation, loud in debug builds (the regression tests).
+        debug_assert!(
+            d.is_some() && msg.is_some(),
+            "prefill {p}: unexpected send to {endpoint}: {parsed:?}"
         );
-        for (at, ev) in sched {
-            self.schedule(at, Ev::Data(ev));
-        }
-        if let Some(a) = answer {
-            self.answer_later(a);
+        match (d, msg) {
+            (Some(d), Some(msg)) => self.send(Node::Prefill(p), Node::Decode(d), msg),
+            _ => self.trace_line(None, || {
+                format!("  prefill {p}: unexpected send to {endpoint}: {parsed:?}")
+            }),
         }
     }
 
-    /// Starts the forward pass of bootstrapped rooms, frees dropped rooms, schedules the tick,
-    /// and lets a fatally faulted rank exit once nothing is outstanding.
+    /// Starts the forward pass of bootstrapped rooms and schedules the core's next deadline.
     fn after_prefill(&mut self, p: u32) {
         let now = self.clock.now();
         let n = &mut self.prefills[p as usize];
         let mut start = Vec::new();
-        n.awaiting.retain(|&room| match n.mgr.poll(room) {
+        n.awaiting.retain(|&room| match n.core.poll(room) {
             Some(KVPoll::Bootstrapping) => true,
             Some(KVPoll::WaitingForInput | KVPoll::Transferring) => {
                 start.push(room);
@@ -252,51 +263,31 @@ impl World {
             }
             _ => false,
         });
-        let dropped: Vec<Room> = n
-            .concluded
-            .iter()
-            .copied()
-            .filter(|&r| n.mgr.poll(r).is_none())
-            .collect();
-        for room in dropped {
-            n.concluded.remove(&room);
-            if let Some(pr) = n.rooms.remove(&room) {
-                n.free_pages.extend(pr.src);
-                n.free_rows.push(pr.row);
-            }
-        }
-        let tick = n.mgr.poll_timeout().map(|t| self.clock.offset(t).max(now));
+        let tick = n.core.poll_timeout().map(|t| self.clock.offset(t).max(now));
         let inc = n.inc;
-        let exit = n.fatal && !n.exiting && n.mgr.live_entries().batches == 0;
         if let Some(t) = tick
+            && !n.down
             && n.tick_at.is_none_or(|at| t < at)
         {
             n.tick_at = Some(t);
             self.schedule(t, Ev::PrefillTick { p, inc });
         }
-        if exit {
-            self.prefills[p as usize].exiting = true;
-            self.schedule(now + MS, Ev::PrefillExit { p });
-        }
         for room in start {
             let at = now + self.rng.range(0, 3 * MS);
             self.schedule(at, Ev::Chunk { p, inc, room, k: 0 });
         }
-        self.ensure_staging_housekeeping(p);
     }
 
     pub(crate) fn prefill_receive(&mut self, p: u32, msg: Msg) {
-        match msg {
-            Msg::Register(reg) => {
-                self.prefill_event(p, PrefillEvent::Register(*reg));
-            }
+        let inbound = match msg {
+            Msg::Register(reg) => PrefillInbound::Registration(reg),
             Msg::Metadata(req) => {
                 let room = req.room;
                 // Metadata reaching a rank that already concluded the room: the prefill cannot
                 // tell a decode it had not heard from; that decode falls back to its timeout.
                 // (Known gap, not a corruption: the status could go to it at once.)
                 let terminal = self.prefills[p as usize]
-                    .mgr
+                    .core
                     .poll(room)
                     .is_some_and(KVPoll::is_terminal);
                 if terminal
@@ -307,35 +298,51 @@ impl World {
                 {
                     self.excuse(Some(room));
                 }
-                let session = req.session.clone();
-                let pages = req.dst.as_ref().map(|d| d.kv_pages.len());
-                if !self.prefill_event(p, PrefillEvent::Metadata(*req)) {
-                    self.excuse(Some(room));
-                } else if let Some(pages) = pages {
-                    self.prefill_staging_open(p, room, &session, pages);
-                }
+                PrefillInbound::Metadata(req)
             }
             Msg::Abort {
                 room,
                 from,
                 generation,
-            } => {
-                let endpoint = decode_endpoint(from);
-                self.prefill_event(
-                    p,
-                    PrefillEvent::Abort {
-                        room,
-                        endpoint,
-                        generation,
-                    },
-                );
+            } => PrefillInbound::Abort {
+                room,
+                endpoint: decode_endpoint(from),
+                generation,
+            },
+            Msg::StagingRsp(rsp) => {
+                let session = rsp.session.clone();
+                self.prefill_call(p, None, |c, now, out| {
+                    c.inbound(now, PrefillInbound::StagingRsp(rsp), out)
+                })
+                .ok();
+                if self.mutant == Some(crate::mutants::Mutant::IgnoreWatermark) {
+                    // The planted bug: the rank acts as if every ring were free as soon as a
+                    // session's placements arrive, whatever the decode's watermark says.
+                    let wm = super::stage_prefill::everything_free(&session);
+                    self.prefill_call(p, None, |c, now, out| {
+                        c.inbound(now, PrefillInbound::Watermark(wm), out)
+                    })
+                    .ok();
+                }
+                return;
             }
-            Msg::StagingRsp(_) | Msg::Watermark(_) => self.prefill_staging_receive(p, msg),
+            Msg::Watermark(wm) => PrefillInbound::Watermark(wm),
             Msg::Status { .. }
             | Msg::AbortAck { .. }
             | Msg::AuxData { .. }
             | Msg::StagingReq(_)
-            | Msg::ChunkReady(_) => {}
+            | Msg::ChunkReady(_) => return,
+        };
+        let (room, metadata) = match &inbound {
+            PrefillInbound::Metadata(m) => (Some(m.room), true),
+            PrefillInbound::Abort { room, .. } => (Some(*room), false),
+            _ => (None, false),
+        };
+        let r = self.prefill_call(p, room, |c, now, out| c.inbound(now, inbound, out));
+        if metadata && r.is_err() {
+            // Refused metadata (an unregistered session, too many unopened rooms): its decode
+            // hears nothing and times out.
+            self.excuse(room);
         }
     }
 
@@ -372,20 +379,15 @@ impl World {
         if let Some(rec) = self.rooms.get_mut(&room) {
             rec.p_open.insert(p, inc);
         }
-        self.prefill_event(p, PrefillEvent::SenderCreated { room });
-        self.prefill_event(
-            p,
-            PrefillEvent::SenderInit {
-                room,
-                num_pages: pages,
-                aux_row: row,
-            },
-        );
+        self.prefill_call(p, Some(room), |c, now, out| {
+            let _ = c.open_room(now, room, out);
+            let _ = c.init_room(now, room, pages, row, out);
+        });
     }
 
     pub(crate) fn prefill_chunk(&mut self, p: u32, inc: u32, room: Room, k: usize) {
         let n = &self.prefills[p as usize];
-        if n.inc != inc || n.down || n.mgr.poll(room).is_none() {
+        if n.inc != inc || n.down || n.core.poll(room).is_none() {
             return;
         }
         let Some(rec) = self.rooms.get(&room) else {
@@ -410,8 +412,11 @@ impl World {
                 chunk.src_state = vec![vec![slot]];
             }
         }
-        self.prefill_event(p, PrefillEvent::Chunk { room, chunk });
-        if !last && self.prefills[p as usize].mgr.poll(room).is_some() {
+        self.prefill_staging_fed(p, room, slice);
+        self.prefill_call(p, Some(room), |c, now, out| {
+            let _ = c.send(now, room, chunk, out);
+        });
+        if !last && self.prefills[p as usize].core.poll(room).is_some() {
             let at = self.clock.now() + self.rng.range(10 * US, 3 * MS);
             self.schedule(
                 at,
@@ -433,76 +438,35 @@ impl World {
         if n.tick_at.is_some_and(|at| at <= self.clock.now()) {
             n.tick_at = None;
         }
-        self.prefill_event(p, PrefillEvent::Tick);
+        self.prefill_call(p, None, |c, now, out| c.on_time(now, out));
     }
 
-    /// A batch answer: a lost connection is a `BatchDone(Err)` (the session is blacklisted),
-    /// a rejected write fails only the room (`SenderFailed`, then `BatchDone(Ok)`).
-    pub(crate) fn prefill_answer(&mut self, a: Answer) {
-        let n = &self.prefills[a.p as usize];
-        if n.inc != a.p_inc || n.down {
-            return;
-        }
-        let batch_id = match a.id {
-            Job::Batch(id) => id,
-            Job::Stage { work, .. } => return self.prefill_stage_answer(a.p, work, a.result),
-        };
-        let result = match a.result {
-            BatchResult::Ok => Ok(()),
-            BatchResult::Lost(e) => Err(e),
-            BatchResult::Rejected(reason) => {
-                self.prefill_event(
-                    a.p,
-                    PrefillEvent::SenderFailed {
-                        room: a.room,
-                        reason,
-                    },
-                );
-                Ok(())
-            }
-        };
-        self.prefill_event(a.p, PrefillEvent::BatchDone { batch_id, result });
-    }
-
+    /// The prefill scheduler aborts a room: the embedder's `fail_room`.
     pub(crate) fn prefill_local_abort(&mut self, p: u32, room: Room) {
         let n = &self.prefills[p as usize];
-        if n.down || n.mgr.poll(room).is_none() {
+        if n.down || n.core.poll(room).is_none() {
             return;
         }
-        // The prefill tells the decode nothing on a local abort: its decodes may time out.
+        // Its decodes are told Failed once the room drained; a decode that has not sent its
+        // metadata yet is not known to the rank and times out.
         self.excuse(Some(room));
-        self.prefill_event(p, PrefillEvent::LocalAbort { room });
+        self.prefill_call(p, Some(room), |c, now, out| {
+            c.fail_room(now, room, "aborted by the prefill scheduler", out);
+        });
     }
 
-    pub(crate) fn prefill_fatal(&mut self, p: u32) {
-        let n = &self.prefills[p as usize];
-        if n.down || n.fatal {
-            return;
-        }
-        let open: Vec<Room> = n
-            .rooms
-            .keys()
-            .copied()
-            .filter(|&r| n.mgr.poll(r).is_some_and(|s| !s.is_terminal()))
-            .collect();
-        for room in open {
-            if let Some(rec) = self.rooms.get_mut(&room) {
-                rec.fatal.insert(p);
-            }
-        }
-        self.prefills[p as usize].fatal = true;
-        let reason = "TransferThreadFailed: worker 0 died".to_string();
-        self.prefill_event(p, PrefillEvent::Fatal { reason });
-    }
-
-    /// The process exits (its batches drained): what the manager still holds must be rooms
-    /// that never had a sender; the decodes lose the heartbeat for a while.
+    /// The process exits (its batches drained): what the core still holds must be rooms that
+    /// never had a sender; the decodes lose the heartbeat for a while.
     pub(crate) fn prefill_exit(&mut self, p: u32) {
         let n = &mut self.prefills[p as usize];
-        let live = n.mgr.live_entries();
+        let live = n.core.manager().live_entries();
         let ok = live.batches == 0 && live.pending_acks == 0 && live.rooms == live.unopened_rooms;
         self.check.check(Inv::NoLeak, ok, None, || {
             format!("prefill rank {p} exits after its fatal fault holding {live:?}")
+        });
+        let posted = n.workers.posted();
+        self.check.check(Inv::NoLeak, posted == 0, None, || {
+            format!("prefill rank {p} exits with {posted} jobs still posted")
         });
         n.down = true;
         n.inc += 1;
@@ -518,16 +482,16 @@ impl World {
 
     pub(crate) fn prefill_restart(&mut self, p: u32) {
         let mem = self.prefills[p as usize].mem.clone();
-        let mgr = self.new_prefill_manager(p, &mem);
-        let stager = self.new_prefill_stager(p);
+        let core = self.new_prefill_core(p, &mem);
+        let queues = self.sc.queues as usize;
         let n = &mut self.prefills[p as usize];
-        n.mgr = mgr;
-        n.stager = stager;
+        n.core = core;
+        n.workers = super::worker::Workers::new(queues);
+        n.fed.clear();
         n.mem.wipe();
         n.reset_pools();
         n.rooms.clear();
         n.awaiting.clear();
-        n.concluded.clear();
         n.last_poll.clear();
         n.fatal = false;
         n.exiting = false;
@@ -550,42 +514,40 @@ impl World {
     }
 }
 
-/// The room a prefill event is about.
-fn event_room(ev: &PrefillEvent) -> Option<Room> {
-    match ev {
-        PrefillEvent::Metadata(m) => Some(m.room),
-        PrefillEvent::SenderCreated { room }
-        | PrefillEvent::SenderInit { room, .. }
-        | PrefillEvent::Chunk { room, .. }
-        | PrefillEvent::Abort { room, .. }
-        | PrefillEvent::LocalAbort { room }
-        | PrefillEvent::SenderFailed { room, .. } => Some(*room),
+/// The room an output is about.
+fn output_room(o: &Output) -> Option<Room> {
+    match o {
+        Output::FillRoomRow { room, .. }
+        | Output::SendAuxData { room, .. }
+        | Output::Concluded { room, .. }
+        | Output::Event(EngineEvent::Ready { room, .. } | EngineEvent::Released { room, .. }) => {
+            Some(*room)
+        }
+        Output::Send { status_of, .. } => *status_of,
+        Output::Post { job, .. } => Some(job.room),
         _ => None,
     }
 }
 
-/// A one-line form of an action for traces.
-fn brief_action(a: &PrefillAction) -> String {
-    match a {
-        PrefillAction::PostBatch {
-            batch_id,
-            ops,
-            session,
-            ..
-        } => {
-            format!("PostBatch {batch_id:?} ({} ops) to {session:?}", ops.len())
+/// A one-line form of an output for traces.
+fn brief_output(o: &Output) -> String {
+    match o {
+        Output::Post { shard, job } => {
+            let what = match &job.work {
+                kvx_engine::worker::Work::Batch { batch_id, ops } => {
+                    format!("batch {batch_id:?} ({} ops)", ops.len())
+                }
+                kvx_engine::worker::Work::Stage(w) => format!("staged chunk {:?}", w.key),
+            };
+            format!("Post {what} to {:?} on shard {shard}", job.session)
         }
-        PrefillAction::SendStatus {
-            endpoint,
-            status,
-            reason,
-            ..
+        Output::Send {
+            endpoint, frames, ..
         } => {
-            format!(
-                "SendStatus {status} to {}:{} ({reason:?})",
-                endpoint.host, endpoint.port
-            )
+            let parsed = parse_decode_inbound(frames);
+            format!("Send to {}:{}: {parsed:?}", endpoint.host, endpoint.port)
         }
+        Output::Fatal(e) => format!("Fatal: {e}"),
         other => format!("{other:?}"),
     }
 }

@@ -1,0 +1,365 @@
+//! A prefill rank's transfer workers in the simulated world, played as kvx-engine's `worker.rs`
+//! runs them: one FIFO queue per shard (the core picks the shard), each worker keeping up to
+//! [`DEPTH`] jobs posted to the data plane — a staged chunk alone —, skipping a job whose room's
+//! cancel flag (set by the core) is up when it takes it, and reporting each job to the core once
+//! the data plane answered it. A worker hit by a fatal fault stops taking jobs, answers what it
+//! posted, then reports its death; the core restarts it or buries its shard.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::Ordering;
+
+use kvx_core::TransferOp;
+use kvx_engine::fault::WorkerFault;
+use kvx_engine::worker::{DEPTH, Job, Outcome, Work};
+
+use super::{Ev, World};
+use crate::clock::{MS, Nanos, US};
+
+/// A job that waited this long in its queue waited behind slow writes (a fault); in a fault-free
+/// seed none waits nearly as long.
+const QUEUED_LONG: Nanos = 500 * MS;
+use crate::data::{Answer, BatchResult, Job as DataJob, Write};
+
+/// One shard's worker and queue.
+#[derive(Debug, Default)]
+struct Shard {
+    /// Job ids waiting for the worker, in post order.
+    queue: VecDeque<u64>,
+    /// Jobs posted to the data plane and not answered yet.
+    posted: usize,
+    /// The posted job is a staged chunk (it runs alone).
+    alone: bool,
+    /// A fatal fault hit the worker: it takes nothing more and dies once `posted` is 0.
+    dying: bool,
+    /// The worker is gone for good (its shard was buried).
+    dead: bool,
+    /// A pump of this shard is scheduled.
+    pump: bool,
+}
+
+/// The workers of one prefill rank.
+#[derive(Debug, Default)]
+pub struct Workers {
+    shards: Vec<Shard>,
+    /// Every job between its post and its report, with its shard.
+    jobs: BTreeMap<u64, (usize, Job)>,
+    /// When each queued job was posted (until its worker takes it).
+    queued_at: BTreeMap<u64, Nanos>,
+    next: u64,
+}
+
+impl Workers {
+    /// `queues` idle workers.
+    pub fn new(queues: usize) -> Self {
+        Workers {
+            shards: (0..queues.max(1)).map(|_| Shard::default()).collect(),
+            jobs: BTreeMap::new(),
+            queued_at: BTreeMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Jobs posted or queued and not reported yet.
+    pub fn posted(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Shards.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+}
+
+impl World {
+    /// True when a job of `room` has waited [`QUEUED_LONG`] in a prefill worker's queue in a
+    /// faulty seed (behind slow writes of other rooms: its decode may time out).
+    pub(crate) fn queued_long(&self, room: kvx_core::Room) -> bool {
+        let now = self.clock.now();
+        self.sc.faulty
+            && self.prefills.iter().any(|n| {
+                n.workers.queued_at.iter().any(|(id, &t)| {
+                    now.saturating_sub(t) >= QUEUED_LONG
+                        && n.workers.jobs.get(id).is_some_and(|(_, j)| j.room == room)
+                })
+            })
+    }
+
+    /// `Output::Post`: the job joins its shard's queue.
+    pub(crate) fn worker_post(&mut self, p: u32, shard: usize, job: Job) {
+        let w = &mut self.prefills[p as usize].workers;
+        let id = w.next;
+        w.next += 1;
+        w.jobs.insert(id, (shard, job));
+        w.queued_at.insert(id, self.clock.now());
+        if let Some(s) = w.shards.get_mut(shard) {
+            s.queue.push_back(id);
+        }
+        self.schedule_pump(p, shard);
+    }
+
+    /// Wakes the worker of `shard` a moment later (the thread hop of a queue).
+    fn schedule_pump(&mut self, p: u32, shard: usize) {
+        let n = &mut self.prefills[p as usize];
+        let Some(s) = n.workers.shards.get_mut(shard) else {
+            return;
+        };
+        if s.pump {
+            return;
+        }
+        s.pump = true;
+        let inc = n.inc;
+        let at = self.clock.now() + self.rng.range(US, 20 * US);
+        self.schedule(at, Ev::Pump { p, inc, shard });
+    }
+
+    /// The worker of `shard` takes jobs while it may post more.
+    pub(crate) fn worker_pump(&mut self, p: u32, inc: u32, shard: usize) {
+        if self.prefills[p as usize].inc != inc || self.prefills[p as usize].down {
+            return;
+        }
+        if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
+            s.pump = false;
+        }
+        loop {
+            let w = &mut self.prefills[p as usize].workers;
+            let Some(s) = w.shards.get_mut(shard) else {
+                return;
+            };
+            if s.dying || s.dead || s.alone {
+                return;
+            }
+            let Some(&id) = s.queue.front() else {
+                return;
+            };
+            let Some((_, job)) = w.jobs.get(&id) else {
+                s.queue.pop_front();
+                continue;
+            };
+            let staged = matches!(job.work, Work::Stage(_));
+            if (staged && s.posted > 0) || s.posted >= DEPTH {
+                return;
+            }
+            s.queue.pop_front();
+            let queued = w.queued_at.remove(&id);
+            let room = job.room;
+            if queued.is_some_and(|t| self.clock.now().saturating_sub(t) >= QUEUED_LONG)
+                && self.sc.faulty
+            {
+                // Behind slow writes of other rooms on the same shard (one session's rooms
+                // share a queue, as in the engine): its decode may time out.
+                self.excuse(Some(room));
+            }
+            let w = &mut self.prefills[p as usize].workers;
+            let Some(s) = w.shards.get_mut(shard) else {
+                return;
+            };
+            let Some((_, job)) = w.jobs.get(&id) else {
+                continue;
+            };
+            if job.cancel.load(Ordering::Acquire) {
+                // The room turned terminal while the job was queued: skipped, not written.
+                if let Some((_, job)) = w.jobs.remove(&id) {
+                    let room = job.room;
+                    self.prefill_call(p, Some(room), |c, now, out| {
+                        c.finished(now, job, Outcome::Skipped, out);
+                    });
+                }
+                continue;
+            }
+            s.posted += 1;
+            s.alone = staged;
+            self.worker_start(p, id);
+        }
+    }
+
+    /// Posts job `id` to the data plane (a staged chunk gathered first).
+    fn worker_start(&mut self, p: u32, id: u64) {
+        // Out of the table while it is started (the gather reads the rank's memory).
+        let Some((shard, mut job)) = self.prefills[p as usize].workers.jobs.remove(&id) else {
+            return;
+        };
+        let (room, session) = (job.room, job.session.clone());
+        let write = match &mut job.work {
+            Work::Batch { ops, .. } => Write {
+                room,
+                id: DataJob::Batch { job: id },
+                ops: std::mem::take(ops),
+                payload: None,
+            },
+            Work::Stage(w) => match self.stage_gather(p, w) {
+                Ok(bytes) => Write {
+                    room,
+                    id: DataJob::Stage {
+                        job: id,
+                        chunk: w.key.chunk_idx,
+                    },
+                    ops: vec![TransferOp::new(0, w.dst, w.len)],
+                    payload: Some(bytes),
+                },
+                Err(reason) => {
+                    self.prefills[p as usize]
+                        .workers
+                        .jobs
+                        .insert(id, (shard, job));
+                    let p_inc = self.prefills[p as usize].inc;
+                    let result = BatchResult::Rejected(reason);
+                    let id = DataJob::Batch { job: id };
+                    self.answer_later(Answer {
+                        p,
+                        p_inc,
+                        room,
+                        id,
+                        result,
+                    });
+                    return;
+                }
+            },
+        };
+        self.prefills[p as usize]
+            .workers
+            .jobs
+            .insert(id, (shard, job));
+        self.post_write(p, &session, write);
+    }
+
+    /// Posts a write to the decode its session names; the data plane's handshake refuses a
+    /// session id naming an earlier incarnation of the process at that address
+    /// (`TransportError::PeerRestarted`).
+    pub(crate) fn post_write(&mut self, p: u32, session: &kvx_core::SessionId, write: Write) {
+        let now = self.clock.now();
+        let (d, named) =
+            super::session_decode(session, self.sc.decode_tp).expect("sessions are the decodes'");
+        let p_inc = self.prefills[p as usize].inc;
+        let d_inc = self.decodes[d as usize].inc;
+        if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
+            self.answer_later(Answer {
+                p,
+                p_inc,
+                room: write.room,
+                id: write.id,
+                result: BatchResult::Lost(format!(
+                    "peer {session} restarted: it is instance {d_inc:016x} now"
+                )),
+            });
+            return;
+        }
+        let mut sched = Vec::new();
+        let answer = self.data.post(
+            &mut self.rng,
+            now,
+            (p, p_inc),
+            (d, d_inc),
+            write,
+            &mut sched,
+        );
+        for (at, ev) in sched {
+            self.schedule(at, Ev::Data(ev));
+        }
+        if let Some(a) = answer {
+            self.answer_later(a);
+        }
+    }
+
+    /// A job's answer: a lost connection is `Outcome::PeerFailed` (the core blacklists the
+    /// session), a rejected write `Outcome::RoomFailed` (only the room fails).
+    pub(crate) fn prefill_answer(&mut self, a: Answer) {
+        let n = &mut self.prefills[a.p as usize];
+        if n.inc != a.p_inc || n.down {
+            return;
+        }
+        let Some((shard, job)) = n.workers.jobs.remove(&a.id.job()) else {
+            return;
+        };
+        let mut died = false;
+        if let Some(s) = n.workers.shards.get_mut(shard) {
+            s.posted = s.posted.saturating_sub(1);
+            s.alone = false;
+            died = s.dying && s.posted == 0;
+        }
+        let outcome = match a.result {
+            BatchResult::Ok => Outcome::Done,
+            BatchResult::Lost(e) => Outcome::PeerFailed(e),
+            BatchResult::Rejected(reason) => Outcome::RoomFailed(reason),
+        };
+        let room = job.room;
+        self.prefill_call(a.p, Some(room), |c, now, out| {
+            c.finished(now, job, outcome, out);
+        });
+        if died {
+            self.worker_died(a.p, shard);
+        } else {
+            self.schedule_pump(a.p, shard);
+        }
+    }
+
+    /// A fatal fault hits one worker of rank `p`: it answers what it posted, then dies.
+    pub(crate) fn prefill_fatal(&mut self, p: u32) {
+        let n = &self.prefills[p as usize];
+        if n.down || n.fatal {
+            return;
+        }
+        let shard = self.rng.below(n.workers.shards() as u64) as usize;
+        let n = &mut self.prefills[p as usize];
+        let Some(s) = n.workers.shards.get_mut(shard) else {
+            return;
+        };
+        if s.dying || s.dead {
+            return;
+        }
+        s.dying = true;
+        if s.posted == 0 {
+            self.worker_died(p, shard);
+        }
+    }
+
+    /// The dying worker of `shard` reports its fault: every room open now must fail.
+    fn worker_died(&mut self, p: u32, shard: usize) {
+        let n = &mut self.prefills[p as usize];
+        let open: Vec<kvx_core::Room> = n
+            .rooms
+            .keys()
+            .copied()
+            .filter(|&r| n.core.poll(r).is_some_and(|s| !s.is_terminal()))
+            .collect();
+        if !self.sc.restart_workers {
+            n.fatal = true;
+        }
+        for room in open {
+            if let Some(rec) = self.rooms.get_mut(&room) {
+                rec.fatal.insert(p);
+            }
+        }
+        let fault = WorkerFault::Panic(format!("simulated fault in worker {shard}"));
+        self.prefill_call(p, None, |c, now, out| {
+            c.died(now, shard, None, fault, out);
+        });
+    }
+
+    /// `Output::RestartWorker`: a fresh worker takes the shard's queue.
+    pub(crate) fn worker_restart(&mut self, p: u32, shard: usize) {
+        if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
+            s.dying = false;
+        }
+        self.schedule_pump(p, shard);
+    }
+
+    /// `Output::Bury`: the shard's worker is gone; every job queued on it is reported unsent.
+    pub(crate) fn worker_bury(&mut self, p: u32, shard: usize) {
+        let w = &mut self.prefills[p as usize].workers;
+        let Some(s) = w.shards.get_mut(shard) else {
+            return;
+        };
+        s.dead = true;
+        let queued: Vec<u64> = s.queue.drain(..).collect();
+        for id in queued {
+            self.prefills[p as usize].workers.queued_at.remove(&id);
+            let Some((_, job)) = self.prefills[p as usize].workers.jobs.remove(&id) else {
+                continue;
+            };
+            let room = job.room;
+            self.prefill_call(p, Some(room), |c, now, out| {
+                c.finished(now, job, Outcome::Skipped, out);
+            });
+        }
+    }
+}
