@@ -61,6 +61,9 @@ fn main() -> ExitCode {
         stats.sessions_lost += out.stats.sessions_lost;
         stats.aux_rows += out.stats.aux_rows;
         stats.state_slots += out.stats.state_slots;
+        stats.skipped_jobs += out.stats.skipped_jobs;
+        stats.worker_restarts += out.stats.worker_restarts;
+        stats.undrained_success += out.stats.undrained_success;
         for (c, n) in checks.iter_mut().zip(out.checks) {
             *c += n;
         }
@@ -96,12 +99,15 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows, {} state slots){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.sessions_lost,
         stats.aux_rows,
         stats.state_slots,
+        stats.skipped_jobs,
+        stats.worker_restarts,
+        stats.undrained_success,
         mutant
             .map(|m| format!(", mutant {}", m.name()))
             .unwrap_or_default()

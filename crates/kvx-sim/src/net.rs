@@ -101,10 +101,19 @@ impl Msg {
         }
     }
 
+    /// Messages whose send can fail, each on its own (a ZMQ send error drops one message; the
+    /// next one to that inbox goes out on a fresh socket): status, `ABORT`, `ABORT_ACK` and the
+    /// staging messages that name a room. A `WATERMARK` is superseded by the next one; `AUX_DATA`
+    /// goes out right before its room's status on the same socket and is not dropped alone.
     fn lossy(&self) -> bool {
         matches!(
             self,
-            Msg::Abort { .. } | Msg::Status { .. } | Msg::AbortAck { .. }
+            Msg::Abort { .. }
+                | Msg::Status { .. }
+                | Msg::AbortAck { .. }
+                | Msg::StagingReq(_)
+                | Msg::StagingRsp(_)
+                | Msg::ChunkReady(_)
         )
     }
 }
@@ -120,9 +129,9 @@ pub struct NetConfig {
     pub slow_ppm: u32,
     /// Longest slow delay.
     pub slow_max: Nanos,
-    /// Chance that a send fails (status, ABORT, ABORT_ACK only).
+    /// Chance that a send fails (status, ABORT, ABORT_ACK, STAGING_REQ/RSP, CHUNK_READY).
     pub drop_ppm: u32,
-    /// Chance of a duplicate (status, ABORT, ABORT_ACK only).
+    /// Chance of a duplicate (the same messages).
     pub dup_ppm: u32,
 }
 

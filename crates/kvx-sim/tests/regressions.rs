@@ -26,10 +26,14 @@ use kvx_sim::run_seed;
 /// of a room a rank reported Failed); 106: the same after a lost heartbeat while one rank of the
 /// instance still ran (the decode ABORTs on heartbeat loss too); 7, 28, 1994: model fixes (a
 /// room whose batches waited long in a worker queue behind slow writes, or whose staged chunk
-/// was gathered long after the forward pass fed it, is excused by the seed's faults).
+/// was gathered long after the forward pass fed it, is excused by the seed's faults). 71 (once
+/// staging messages could be lost): a lost `CHUNK_READY` let a decode report Success with a chunk
+/// never scattered — the sim's decode now does what kvx-engine's does (the room fails).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
-    for seed in [7, 9, 28, 40, 51, 65, 90, 106, 121, 134, 1994, 8348, 28158] {
+    for seed in [
+        7, 9, 28, 40, 51, 65, 71, 90, 106, 121, 134, 1994, 8348, 28158,
+    ] {
         let out = run_seed(seed, None);
         assert!(
             out.violations.is_empty(),
@@ -84,11 +88,12 @@ fn ignore_watermark_is_caught() {
     caught(Mutant::IgnoreWatermark, Inv::RingWriteInLiveSlot);
 }
 
-/// Staged rooms, `SessionLost`, `AUX_DATA` over tcp and state slots run in the default budget's
-/// seeds.
+/// Staged rooms, `SessionLost`, `AUX_DATA` over tcp, state slots, and the prefill core's worker
+/// paths (cancelled jobs skipped, workers restarted) run in the default budget's seeds.
 #[test]
 fn the_new_paths_are_exercised() {
     let (mut ring, mut scatter, mut staged) = (0, 0, 0);
+    let (mut skipped, mut restarts) = (0, 0);
     for seed in 0..40 {
         let out = run_seed(seed, None);
         assert!(
@@ -99,11 +104,14 @@ fn the_new_paths_are_exercised() {
         ring += out.checks[Inv::RingWriteInLiveSlot as usize];
         scatter += out.checks[Inv::ScatterOwnBytes as usize];
         staged += out.checks[Inv::StagedSuccessDrained as usize];
+        skipped += out.stats.skipped_jobs;
+        restarts += out.stats.worker_restarts;
     }
     assert!(
         ring > 100 && scatter > 100 && staged > 100,
         "{ring} {scatter} {staged}"
     );
+    assert!(skipped > 100 && restarts > 0, "{skipped} {restarts}");
 }
 
 #[cfg(feature = "mutants")]

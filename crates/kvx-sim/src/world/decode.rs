@@ -152,9 +152,28 @@ impl World {
                 dr.concluded = Some(status);
                 let success = status == KVPoll::Success;
                 let drained = self.decode_staging_concluded(d, room, success);
-                self.check.check(Inv::StagedSuccessDrained, !success || drained, Some(room), || {
-                    format!("decode rank {d} reports Success before every staged chunk was scattered")
+                let lost = self
+                    .rooms
+                    .get(&room)
+                    .is_some_and(|r| r.chunk_ready_lost.contains(&d));
+                self.check.check(Inv::StagedSuccessDrained, !success || drained || lost, Some(room), || {
+                    format!("decode rank {d} got Success before every staged chunk was scattered, though no CHUNK_READY of the room was lost")
                 });
+                // kvx-engine's decode: a Success before every staged chunk was scattered (a
+                // CHUNK_READY was lost) reports the room failed; every prefill rank already said
+                // it is done, so the pages go back at once.
+                let success = success && drained;
+                if !success && status == KVPoll::Success {
+                    self.stats.undrained_success += 1;
+                    if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) {
+                        dr.concluded = Some(KVPoll::Failed);
+                    }
+                    if let Some(rec) = self.rooms.get_mut(&room) {
+                        rec.d_done.insert(d, (KVPoll::Failed, now));
+                    }
+                    self.decode_release(d, room);
+                    return;
+                }
                 if success {
                     let Some(dr) = self.decodes[d as usize].rooms.get(&room) else {
                         return;

@@ -255,6 +255,8 @@ pub struct RoomRec {
     pub d_crashed: BTreeSet<u32>,
     /// Prefill ranks where it was open when a fatal fault hit.
     pub fatal: BTreeSet<u32>,
+    /// Decode ranks a `CHUNK_READY` of the room was lost to (the send failed).
+    pub chunk_ready_lost: BTreeSet<u32>,
 }
 
 /// How often the rarer paths of a run were taken (so a test can tell they are exercised).
@@ -268,6 +270,12 @@ pub struct Stats {
     pub aux_rows: u64,
     /// Successful rooms whose state slot was verified.
     pub state_slots: u64,
+    /// Jobs a prefill worker skipped (their room's cancel flag was up when it took them).
+    pub skipped_jobs: u64,
+    /// Prefill workers restarted after a fatal fault.
+    pub worker_restarts: u64,
+    /// Staged rooms a decode reported failed because a `CHUNK_READY` was lost before Success.
+    pub undrained_success: u64,
 }
 
 /// The trace of one room kept while replaying a failing seed.
@@ -478,6 +486,11 @@ impl World {
         let times = self.net.send(&mut self.rng, now, from, to, &msg);
         if times.is_empty() {
             self.excuse(msg.room());
+            if let (Msg::ChunkReady(c), Node::Decode(d)) = (&msg, to)
+                && let Some(rec) = self.rooms.get_mut(&c.room)
+            {
+                rec.chunk_ready_lost.insert(d);
+            }
             self.trace_line(msg.room(), || {
                 format!("  net drops {msg:?} {from:?}->{to:?}")
             });

@@ -159,6 +159,7 @@ impl World {
             if job.cancel.load(Ordering::Acquire) {
                 // The room turned terminal while the job was queued: skipped, not written.
                 if let Some((_, job)) = w.jobs.remove(&id) {
+                    self.stats.skipped_jobs += 1;
                     let room = job.room;
                     self.prefill_call(p, Some(room), |c, now, out| {
                         c.finished(now, job, Outcome::Skipped, out);
@@ -337,6 +338,7 @@ impl World {
 
     /// `Output::RestartWorker`: a fresh worker takes the shard's queue.
     pub(crate) fn worker_restart(&mut self, p: u32, shard: usize) {
+        self.stats.worker_restarts += 1;
         if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
             s.dying = false;
         }
