@@ -9,9 +9,10 @@
 //! and feed what happens to the managers. The `kvx` binary (crate `kvx-cli`) is one user of this
 //! crate among others.
 //!
-//! - [`engine`]: the prefill rank — one owner loop (which also sends the statuses), transfer [`worker`]s,
-//!   heterogeneous-TP staging through the decode's ring ([`prefill_staging`]); the contract for
-//!   caller-owned memory is in its module docs.
+//! - [`engine`]: the prefill rank — one owner loop (which also sends the statuses) performing
+//!   what the rank's sans-IO [`prefill_core`] decides, transfer [`worker`]s, heterogeneous-TP
+//!   staging through the decode's ring ([`prefill_staging`]); the contract for caller-owned
+//!   memory is in its module docs.
 //! - [`decode`]: the decode rank — bootstrap resolution, registration per prefill rank, metadata
 //!   per room, heartbeats, rank watching, waiting timeout with `ABORT`, deferred page release,
 //!   staging scatter ([`decode_staging`]).

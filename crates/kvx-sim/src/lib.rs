@@ -1,18 +1,21 @@
 //! # kvx-sim
 //!
-//! Deterministic simulation of kvx's room managers: the real `PrefillManager` and
-//! `DecodeManager` of kvx-core run against a simulated control plane (per-link FIFO ZMQ
-//! messages, delayed, reordered across links, lost and duplicated where the real sockets can),
-//! a simulated data plane implementing the `Transport` contract with faults (rejected writes,
-//! failing connections, slow windows, decodes that die and come back under the same session
-//! id), and simulated time — with several prefill and decode ranks (TP fan-in and fan-out),
-//! local aborts on both sides, and fatal worker faults. Some seeds stage their heterogeneous-TP
-//! rooms through the decodes' rings with kvx-staging's real state machines, the prefill's driven
-//! by kvx-engine's real `StagingDriver` (`STAGING_REQ/RSP`, `WATERMARK`, `CHUNK_READY`, the
-//! prefill's probes reporting `SessionLost` for a dead decode),
-//! some send aux rows as `AUX_DATA`, and some carry a state component (a slot per room).
-//! Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are checked at every
-//! step, and a failing seed is replayed with a trace of the events of the room that broke one.
+//! Deterministic simulation of kvx's prefill and decode ranks: each prefill rank is kvx-engine's
+//! real `PrefillCore` (the prefill engine's owner-loop rules over kvx-core's `PrefillManager` and,
+//! in staged seeds, kvx-engine's `StagingDriver`) with simulated transfer workers, each decode rank
+//! kvx-core's real `DecodeManager` under a driver that follows kvx-engine's decode. They run
+//! against a simulated control plane (per-link FIFO ZMQ messages, delayed, reordered across links,
+//! lost and duplicated where the real sockets can), a simulated data plane implementing the
+//! `Transport` contract with faults (rejected writes, failing connections, slow windows, decodes
+//! that die and come back under the same session id), and simulated time — with several prefill
+//! and decode ranks (TP fan-in and fan-out), local aborts on both sides, and fatal worker faults
+//! (a worker restarted, or the rank going down once drained). Some seeds stage their
+//! heterogeneous-TP rooms through the decodes' rings with kvx-staging's real state machines
+//! (`STAGING_REQ/RSP`, `WATERMARK`, `CHUNK_READY`, the prefill's probes reporting `SessionLost`
+//! for a dead decode), some send aux rows as `AUX_DATA`, and some carry a state component (a
+//! slot per room). Everything derives from one `u64` seed; invariants ([`invariants::Inv`]) are
+//! checked at every step, and a failing seed is replayed with a trace of the events of the room
+//! that broke one.
 //!
 //! `cargo xtask sim [--seed S] [--steps N] [--mutant NAME]` runs the `kvx-sim` binary.
 

@@ -28,7 +28,10 @@ use kvx_sim::run_seed;
 /// room whose batches waited long in a worker queue behind slow writes, or whose staged chunk
 /// was gathered long after the forward pass fed it, is excused by the seed's faults). 71 (once
 /// staging messages could be lost): a lost `CHUNK_READY` let a decode report Success with a chunk
-/// never scattered — the sim's decode now does what kvx-engine's does (the room fails).
+/// never scattered — the sim's decode now does what kvx-engine's does (the room fails). 9533
+/// (the long profile, once decodes ABORTed on a lost heartbeat): one decode rank of a TP fan-out
+/// room ABORTed it and the prefill told the other decode nothing, which timed out (kvx-core: the
+/// room's other decodes get status 0 once it drained).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
     for seed in [

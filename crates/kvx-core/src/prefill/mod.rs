@@ -84,6 +84,8 @@ struct RoomState {
     pending_acks: Vec<(Endpoint, Option<u64>)>,
     /// The room failed while batches were in flight: its decodes get status 0 once they drain.
     notify_pending: bool,
+    /// Decode endpoints that ABORTed the room: they get an `ABORT_ACK`, never a status.
+    aborted_by: Vec<Endpoint>,
     /// The room's entry in the deadline set (bootstrap timeout or unopened TTL).
     deadline: Option<Instant>,
     /// `AUX_DATA` rows (`aux_over_tcp`) held until every batch of the room succeeded, then sent
@@ -106,6 +108,7 @@ impl RoomState {
             failure: None,
             pending_acks: Vec::new(),
             notify_pending: false,
+            aborted_by: Vec::new(),
             deadline: None,
             aux_out: Vec::new(),
         }
@@ -770,10 +773,17 @@ impl PrefillManager {
                 }
             }
         }
+        if let Some(rs) = self.rooms.get_mut(&room)
+            && !rs.aborted_by.contains(&endpoint)
+        {
+            rs.aborted_by.push(endpoint.clone());
+        }
         let reason = RoomError::AbortedByDecode {
             endpoint: endpoint.clone(),
         };
-        self.fail(room, reason, false, out);
+        // The room's other decodes (TP fan-out: ranks that did not abort) are told Failed once it
+        // drained, rather than left to their waiting timeout; the aborting one gets its ACK.
+        self.fail(room, reason, true, out);
         if let Some(rs) = self.rooms.get_mut(&room) {
             if rs.inflight > 0 && !mutant!(self, EarlyAck) {
                 // One ACK per decode endpoint, for its latest ABORT (as sglang keeps them).
@@ -856,7 +866,11 @@ impl PrefillManager {
             return;
         }
         let reason = rs.failure.as_ref().map(ToString::to_string);
-        for info in rs.infos.iter().filter(|i| !i.is_dummy()) {
+        for info in rs
+            .infos
+            .iter()
+            .filter(|i| !i.is_dummy() && !rs.aborted_by.contains(&i.endpoint))
+        {
             out.push(PrefillAction::SendStatus {
                 room,
                 endpoint: info.endpoint.clone(),
@@ -890,7 +904,11 @@ impl PrefillManager {
         // 121: sent with the last chunk, a row reached a decode that had restarted on the same
         // address meanwhile, and landed in a row of one of its new rooms).
         out.append(&mut rs.aux_out);
-        for info in rs.infos.iter().filter(|i| !i.is_dummy()) {
+        for info in rs
+            .infos
+            .iter()
+            .filter(|i| !i.is_dummy() && !rs.aborted_by.contains(&i.endpoint))
+        {
             out.push(PrefillAction::SendStatus {
                 room,
                 endpoint: info.endpoint.clone(),

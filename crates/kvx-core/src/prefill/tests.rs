@@ -409,6 +409,38 @@ fn abort_ack_waits_for_drain() {
     ));
 }
 
+/// TP fan-out: one decode rank ABORTs the room; the other one is told Failed once the room drained
+/// (not left to its waiting timeout), and the aborting one gets only its ACK.
+#[test]
+fn abort_from_one_decode_tells_the_others_failed_after_drain() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let r = room(23);
+    h.ev(PrefillEvent::Register(registration(2, 2)));
+    h.ev(PrefillEvent::Register(registration(3, 2)));
+    h.open(r);
+    h.ev(PrefillEvent::Metadata(metadata(r, 2, Some(vec![1]), 2)));
+    h.ev(PrefillEvent::Metadata(metadata(r, 3, Some(vec![1]), 2)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: r,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![1]),
+    });
+    let b = batches(&a);
+    assert!(b.len() >= 2, "{a:?}");
+    let a = h.ev(PrefillEvent::Abort {
+        room: r,
+        endpoint: endpoint(2),
+        generation: None,
+    });
+    assert!(statuses(&a).is_empty() && acks(&a).is_empty(), "{a:?}");
+    let mut out = Vec::new();
+    for (id, _) in b {
+        out.extend(h.ev(done(id)));
+    }
+    assert_eq!(statuses(&out), vec![(endpoint(3), KVPoll::Failed)]);
+    assert_eq!(acks(&out), vec![(endpoint(2), None)]);
+    assert!(h.mgr.live_entries().is_empty());
+}
+
 fn acks(actions: &[PrefillAction]) -> Vec<(Endpoint, Option<u64>)> {
     actions
         .iter()
