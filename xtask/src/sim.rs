@@ -1,5 +1,5 @@
 //! `cargo xtask sim`: the deterministic simulation (`crates/kvx-sim`), built in release with
-//! kvx-core's test-only mutant hook, and the CI profile `cargo xtask test` runs: at least
+//! kvx-core's and kvx-engine's test-only mutant hooks, and the CI profile `cargo xtask test` runs: at least
 //! 1,000,000 simulated steps with no violation, then every planted mutant, each of which must
 //! be caught within the default step budget.
 
@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 7] = [
+pub const MUTANTS: [&str; 8] = [
     "late-write",
     "early-ack",
     "lost-status",
@@ -16,6 +16,7 @@ pub const MUTANTS: [&str; 7] = [
     "any-instance",
     "early-slot-reuse",
     "ignore-watermark",
+    "early-exit",
 ];
 
 /// Options of `cargo xtask sim`.
@@ -28,7 +29,7 @@ pub struct Opts {
     #[arg(long)]
     pub steps: Option<u64>,
     /// Run with a planted bug (late-write, early-ack, lost-status, leak, any-instance,
-    /// early-slot-reuse, ignore-watermark).
+    /// early-slot-reuse, ignore-watermark, early-exit).
     #[arg(long)]
     pub mutant: Option<String>,
 }

@@ -189,6 +189,9 @@ pub struct PrefillCore {
     next_housekeeping: Instant,
     /// Staging sessions probed for liveness, with when the last probe started.
     probed: BTreeMap<SessionId, Instant>,
+    /// kvx-sim's planted bug: the fatal fault is handed out before the batches drained.
+    #[cfg(feature = "sim-mutants")]
+    early_exit: bool,
 }
 
 impl PrefillCore {
@@ -214,7 +217,16 @@ impl PrefillCore {
             fatal: None,
             next_housekeeping: now + HOUSEKEEPING,
             probed: BTreeMap::new(),
+            #[cfg(feature = "sim-mutants")]
+            early_exit: false,
         }
+    }
+
+    /// Test-only (feature `sim-mutants`): arms kvx-sim's `early-exit` mutant — the rank hands
+    /// out its fatal fault at once, batches still in flight. Never in a product.
+    #[cfg(feature = "sim-mutants")]
+    pub fn set_sim_early_exit(&mut self, on: bool) {
+        self.early_exit = on;
     }
 
     /// The room manager (read only).
@@ -539,6 +551,8 @@ impl PrefillCore {
             return;
         };
         let drained = self.mgr.live_entries().batches == 0;
+        #[cfg(feature = "sim-mutants")]
+        let drained = drained || self.early_exit;
         let overdue = timed && now.saturating_duration_since(*since) >= DRAIN_LIMIT;
         if !drained && !overdue {
             return;

@@ -7,8 +7,9 @@
 //! simulated decode's staging driver (a ring slot freed before its copy-out) and
 //! `ignore-watermark` the prefill's (a chunk written before the watermark admits it: the world
 //! feeds kvx-engine's real driver a watermark past every placement with each `STAGING_RSP`); the
-//! others arm kvx-core's test-only hook (feature `sim-mutants`, enabled by this crate's
-//! `mutants` feature) inside the real `PrefillManager`.
+//! others arm test-only hooks (feature `sim-mutants` of kvx-core and kvx-engine, enabled by this
+//! crate's `mutants` feature): inside the real `PrefillManager` (`early-ack`, `lost-status`,
+//! `leak`) and the real `PrefillCore` (`early-exit`).
 
 /// A deliberately broken rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,11 +31,14 @@ pub enum Mutant {
     /// The prefill's staging driver writes a chunk as soon as its placement is known, without
     /// waiting for the decode's watermark to admit it (over an older slot still live).
     IgnoreWatermark,
+    /// The prefill core hands out a dead worker's fatal fault (and the rank exits) before the
+    /// rank's batches drained.
+    EarlyExit,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 7] = [
+    pub const ALL: [Mutant; 8] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
@@ -42,6 +46,7 @@ impl Mutant {
         Mutant::AnyInstance,
         Mutant::EarlySlotReuse,
         Mutant::IgnoreWatermark,
+        Mutant::EarlyExit,
     ];
 
     /// The command-line name.
@@ -54,6 +59,7 @@ impl Mutant {
             Mutant::AnyInstance => "any-instance",
             Mutant::EarlySlotReuse => "early-slot-reuse",
             Mutant::IgnoreWatermark => "ignore-watermark",
+            Mutant::EarlyExit => "early-exit",
         }
     }
 
@@ -62,7 +68,7 @@ impl Mutant {
         Mutant::ALL.into_iter().find(|m| m.name() == name)
     }
 
-    /// True when the mutant lives in kvx-core (needs the `mutants` feature).
+    /// True when the mutant lives in kvx-core or kvx-engine (needs the `mutants` feature).
     pub fn in_core(self) -> bool {
         !matches!(
             self,
@@ -81,7 +87,8 @@ impl Mutant {
             Mutant::LateWrite
             | Mutant::AnyInstance
             | Mutant::EarlySlotReuse
-            | Mutant::IgnoreWatermark => None,
+            | Mutant::IgnoreWatermark
+            | Mutant::EarlyExit => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),

@@ -59,12 +59,16 @@ impl World {
             auto_open: false,
             restart_workers: self.sc.restart_workers,
         };
-        PrefillCore::new(
+        #[allow(unused_mut)]
+        let mut core = PrefillCore::new(
             core_cfg,
             mgr,
             self.new_staging_driver(p),
             self.clock.instant(),
-        )
+        );
+        #[cfg(feature = "mutants")]
+        core.set_sim_early_exit(self.mutant == Some(crate::mutants::Mutant::EarlyExit));
+        core
     }
 
     /// Runs one input on rank `p`'s core and performs its outputs; `room` is the input's room,
