@@ -434,8 +434,9 @@ impl PrefillCore {
         if let Some(total_pages) = total_pages {
             self.staging_open(now, room, &session, total_pages, out);
         }
-        if self.cfg.auto_open {
-            // The synthetic forward pass: every announced room gets a sender.
+        if self.cfg.auto_open && self.mgr.poll(room).is_some_and(|s| !s.is_terminal()) {
+            // The synthetic forward pass: every announced room gets a sender (not one that
+            // concluded already: its late metadata was answered status 0).
             let _ = self.handle(now, PrefillEvent::SenderCreated { room }, Some(room), out);
         }
         if let Some(reason) = self.fatal_text() {

@@ -516,6 +516,14 @@ pub fn writev_nowait(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result
     send_parts(fd, parts, skip, true)
 }
 
+/// Where a part's bytes start.
+fn part_base(p: &IoPart<'_>) -> usize {
+    match p {
+        IoPart::Bytes(b) => b.as_ptr() as usize,
+        IoPart::Span(s) => s.addr as usize,
+    }
+}
+
 fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) -> io::Result<usize> {
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
     for p in parts {
@@ -524,25 +532,33 @@ fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) ->
             skip -= len;
             continue;
         }
-        let base = match p {
-            IoPart::Bytes(b) => b.as_ptr() as usize,
-            IoPart::Span(s) => s.addr as usize,
-        };
-        iov.push(libc::iovec {
-            iov_base: (base + skip) as *mut libc::c_void,
-            iov_len: len - skip,
-        });
+        let base = part_base(p) + skip;
+        let n = len - skip;
         skip = 0;
+        // A part that continues the previous one in memory (a run of small writes read from
+        // consecutive source bytes) extends its iovec: fewer segments for the kernel to walk.
+        if let Some(last) = iov.last_mut()
+            && last.iov_base as usize + last.iov_len == base
+        {
+            last.iov_len += n;
+            continue;
+        }
         if iov.len() == MAX_IOV {
             break;
         }
+        iov.push(libc::iovec {
+            iov_base: base as *mut libc::c_void,
+            iov_len: n,
+        });
     }
     if iov.is_empty() {
         return Ok(0);
     }
     // SAFETY: every iovec points either into a caller-owned byte slice that outlives this call
     // or into a `Span`, which exists only after a successful registered-region lookup; the
-    // registration contract keeps that memory mapped while registered. writev only reads them.
+    // registration contract keeps that memory mapped while registered. A merged iovec is the
+    // union of such ranges that touch end to end, so every byte it names is one of theirs.
+    // writev only reads them.
     let n = if nowait {
         // SAFETY: as above; the message header only refers to `iov`, which outlives the call.
         unsafe {

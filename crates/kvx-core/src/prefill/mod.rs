@@ -45,7 +45,7 @@ macro_rules! mutant {
     }};
 }
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 pub use types::{
@@ -122,6 +122,10 @@ impl RoomState {
     }
 }
 
+/// How many concluded rooms a manager remembers to answer late metadata (see
+/// [`PrefillManager`]'s `recent`).
+pub const RECENT_ROOMS: usize = 4096;
+
 /// The prefill side's room manager (one per prefill rank).
 #[derive(Debug)]
 pub struct PrefillManager {
@@ -140,6 +144,11 @@ pub struct PrefillManager {
     deadlines: BTreeSet<(Instant, Room)>,
     batches: HashMap<BatchId, (Room, SessionId)>,
     next_batch: u64,
+    /// Rooms this rank concluded and dropped, the [`RECENT_ROOMS`] latest (oldest first): late
+    /// metadata for one is answered status 0 at once, not left to wait for a sender that will
+    /// never come (its decode would time out).
+    recent: HashSet<Room>,
+    recent_order: VecDeque<Room>,
     /// Test-only planted bug (see [`mutant`]).
     #[cfg(feature = "sim-mutants")]
     sim_mutant: Option<mutant::SimMutant>,
@@ -164,6 +173,8 @@ impl PrefillManager {
             deadlines: BTreeSet::new(),
             batches: HashMap::new(),
             next_batch: 0,
+            recent: HashSet::new(),
+            recent_order: VecDeque::new(),
             #[cfg(feature = "sim-mutants")]
             sim_mutant: None,
             #[cfg(feature = "sim-mutants")]
@@ -245,6 +256,7 @@ impl PrefillManager {
             deadlines: self.deadlines.len(),
             sessions: self.sessions.len(),
             failed_sessions: self.failed.len(),
+            recent_rooms: self.recent.len(),
         }
     }
 
@@ -438,7 +450,37 @@ impl PrefillManager {
             if let Some(at) = rs.deadline {
                 self.deadlines.remove(&(at, room));
             }
+            if rs.sender.is_some() && rs.status.is_terminal() && self.recent.insert(room) {
+                self.recent_order.push_back(room);
+                if self.recent_order.len() > RECENT_ROOMS
+                    && let Some(old) = self.recent_order.pop_front()
+                {
+                    self.recent.remove(&old);
+                }
+            }
         }
+    }
+
+    /// Status 0 at once to a decode whose metadata reached this rank after the room concluded
+    /// here: nothing was or will be written to it (its pages are not in the room's plan).
+    fn late_metadata(&self, req: &TransferRequest, status: KVPoll, out: &mut Vec<PrefillAction>) {
+        if req.is_dummy() {
+            return;
+        }
+        out.push(PrefillAction::SendStatus {
+            room: req.room,
+            endpoint: req.endpoint.clone(),
+            status: KVPoll::Failed,
+            prefill_rank: self.rank,
+            reason: Some(format!(
+                "Metadata for {} reached prefill rank {} after the room concluded there ({status})",
+                req.room, self.rank
+            )),
+            with_reason: self
+                .sessions
+                .get(&req.session)
+                .is_some_and(|s| s.0.status_reason),
+        });
     }
 
     fn metadata(
@@ -460,6 +502,10 @@ impl PrefillManager {
             self.use_clock += 1;
             entry.1 = self.use_clock;
         }
+        if !self.rooms.contains_key(&room) && self.recent.contains(&room) {
+            self.late_metadata(&req, KVPoll::Failed, out);
+            return Ok(());
+        }
         if !self.rooms.contains_key(&room) {
             if self.unopened >= self.cfg.max_unopened_rooms {
                 return Err(PrefillError::TooManyRooms(room));
@@ -472,6 +518,13 @@ impl PrefillManager {
             return Ok(());
         };
         if rs.status.is_terminal() {
+            // A decode this room never heard from (a restarted one, or one whose metadata was
+            // slow) gets its status now; one it knows gets it with the others.
+            let known = rs.infos.iter().any(|i| i.session == req.session);
+            let status = rs.status;
+            if !known {
+                self.late_metadata(&req, status, out);
+            }
             return Ok(());
         }
         let problem = (req.required_dst_info_num == 0).then(|| RoomError::BadMetadata {

@@ -520,6 +520,9 @@ pub struct LiveEntries {
     pub sessions: usize,
     /// Decode sessions marked failed (expire after the TTL).
     pub failed_sessions: usize,
+    /// Concluded rooms remembered to answer late metadata (bounded by
+    /// [`RECENT_ROOMS`](super::RECENT_ROOMS); not per-room state of a live room).
+    pub recent_rooms: usize,
 }
 
 impl LiveEntries {
@@ -528,6 +531,7 @@ impl LiveEntries {
         LiveEntries {
             sessions: 0,
             failed_sessions: 0,
+            recent_rooms: 0,
             ..*self
         } == LiveEntries::default()
     }

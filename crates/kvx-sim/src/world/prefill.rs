@@ -283,60 +283,55 @@ impl World {
     }
 
     pub(crate) fn prefill_receive(&mut self, p: u32, msg: Msg) {
-        let inbound = match msg {
-            Msg::Register(reg) => PrefillInbound::Registration(reg),
-            Msg::Metadata(req) => {
-                let room = req.room;
-                // Metadata reaching a rank that already concluded the room: the prefill cannot
-                // tell a decode it had not heard from; that decode falls back to its timeout.
-                // (Known gap, not a corruption: the status could go to it at once.)
-                let terminal = self.prefills[p as usize]
-                    .core
-                    .poll(room)
-                    .is_some_and(KVPoll::is_terminal);
-                if terminal
-                    || self
-                        .rooms
-                        .get(&room)
-                        .is_some_and(|r| r.p_done.contains_key(&p))
-                {
-                    self.excuse(Some(room));
+        let inbound =
+            match msg {
+                Msg::Register(reg) => PrefillInbound::Registration(reg),
+                Msg::Metadata(req) => {
+                    let room = req.room;
+                    // Metadata reaching a rank that concluded the room is answered status 0 at once
+                    // (the manager remembers concluded rooms) — unless the rank restarted since:
+                    // the new process never heard of the room and its decode times out.
+                    let inc = self.prefills[p as usize].inc;
+                    if self.rooms.get(&room).is_some_and(|r| {
+                        r.p_done.contains_key(&p) && r.p_open.get(&p) != Some(&inc)
+                    }) {
+                        self.excuse(Some(room));
+                    }
+                    PrefillInbound::Metadata(req)
                 }
-                PrefillInbound::Metadata(req)
-            }
-            Msg::Abort {
-                room,
-                from,
-                generation,
-            } => PrefillInbound::Abort {
-                room,
-                endpoint: decode_endpoint(from),
-                generation,
-            },
-            Msg::StagingRsp(rsp) => {
-                let session = rsp.session.clone();
-                self.prefill_call(p, None, |c, now, out| {
-                    c.inbound(now, PrefillInbound::StagingRsp(rsp), out)
-                })
-                .ok();
-                if self.mutant == Some(crate::mutants::Mutant::IgnoreWatermark) {
-                    // The planted bug: the rank acts as if every ring were free as soon as a
-                    // session's placements arrive, whatever the decode's watermark says.
-                    let wm = super::stage_prefill::everything_free(&session);
+                Msg::Abort {
+                    room,
+                    from,
+                    generation,
+                } => PrefillInbound::Abort {
+                    room,
+                    endpoint: decode_endpoint(from),
+                    generation,
+                },
+                Msg::StagingRsp(rsp) => {
+                    let session = rsp.session.clone();
                     self.prefill_call(p, None, |c, now, out| {
-                        c.inbound(now, PrefillInbound::Watermark(wm), out)
+                        c.inbound(now, PrefillInbound::StagingRsp(rsp), out)
                     })
                     .ok();
+                    if self.mutant == Some(crate::mutants::Mutant::IgnoreWatermark) {
+                        // The planted bug: the rank acts as if every ring were free as soon as a
+                        // session's placements arrive, whatever the decode's watermark says.
+                        let wm = super::stage_prefill::everything_free(&session);
+                        self.prefill_call(p, None, |c, now, out| {
+                            c.inbound(now, PrefillInbound::Watermark(wm), out)
+                        })
+                        .ok();
+                    }
+                    return;
                 }
-                return;
-            }
-            Msg::Watermark(wm) => PrefillInbound::Watermark(wm),
-            Msg::Status { .. }
-            | Msg::AbortAck { .. }
-            | Msg::AuxData { .. }
-            | Msg::StagingReq(_)
-            | Msg::ChunkReady(_) => return,
-        };
+                Msg::Watermark(wm) => PrefillInbound::Watermark(wm),
+                Msg::Status { .. }
+                | Msg::AbortAck { .. }
+                | Msg::AuxData { .. }
+                | Msg::StagingReq(_)
+                | Msg::ChunkReady(_) => return,
+            };
         let (room, metadata) = match &inbound {
             PrefillInbound::Metadata(m) => (Some(m.room), true),
             PrefillInbound::Abort { room, .. } => (Some(*room), false),
