@@ -161,6 +161,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Messages to decodes dropped (send error or inbox full for 30 s)",
     ),
     (
+        "kvx_aux_rows_lost_total",
+        Kind::Counter,
+        "Rooms whose AUX_DATA row could not be sent: the decode was told Failed, not Success",
+    ),
+    (
         "kvx_live_workers",
         Kind::Gauge,
         "Transfer worker threads alive",
@@ -575,6 +580,7 @@ pub const PREFILL_ZERO_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("kvx_room_failures_total", &[]),
     ("kvx_session_failures_total", &[]),
     ("kvx_notice_failures_total", &[]),
+    ("kvx_aux_rows_lost_total", &[]),
     ("kvx_worker_restarts_total", &[]),
     ("kvx_worker_failures_total", &[("cause", "panic")]),
     (

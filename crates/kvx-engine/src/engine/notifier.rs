@@ -72,27 +72,30 @@ impl Notifier {
     }
 
     /// Sends `frames` to `ep` after whatever is held for it; holds it when the inbox is full.
-    pub(crate) fn send(&mut self, ep: Endpoint, frames: Frames) {
+    /// False when the message was dropped now (the send failed, or too much is held for `ep`);
+    /// a message held and dropped later goes with everything held after it.
+    pub(crate) fn send(&mut self, ep: Endpoint, frames: Frames) -> bool {
         self.used.insert(ep.clone(), Instant::now());
-        self.enqueue(ep, frames);
+        let kept = self.enqueue(ep, frames);
         if !self.held.is_empty() && self.next_retry.is_none() {
             self.next_retry = Some(Instant::now() + RETRY);
         }
+        kept
     }
 
-    fn enqueue(&mut self, ep: Endpoint, frames: Frames) {
+    fn enqueue(&mut self, ep: Endpoint, frames: Frames) -> bool {
         if let Some(h) = self.held.get_mut(&ep) {
             if h.queue.len() >= HOLD_MAX {
                 let lost = h.queue.len() + 1;
                 self.held.remove(&ep);
                 self.give_up(&ep, lost, "too many messages held");
-            } else {
-                h.queue.push_back(frames);
+                return false;
             }
-            return;
+            h.queue.push_back(frames);
+            return true;
         }
         match self.cache.send_or_hold(&ep, &frames) {
-            Ok(true) => {}
+            Ok(true) => true,
             Ok(false) => {
                 metrics::counter!("kvx_notices_held_total").increment(1);
                 self.held.insert(
@@ -102,10 +105,12 @@ impl Notifier {
                         since: Instant::now(),
                     },
                 );
+                true
             }
             Err(e) => {
                 metrics::counter!("kvx_notice_failures_total").increment(1);
                 tracing::warn!(%ep, error = %e, "status message dropped");
+                false
             }
         }
     }

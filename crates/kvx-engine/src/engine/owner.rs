@@ -287,6 +287,10 @@ impl Owner {
     /// Performs the core's outputs, in order (what performing one reports back to the core is
     /// performed before the next).
     fn perform(&mut self, out: Vec<Output>) {
+        // Rooms whose `AUX_DATA` row to a decode could not be sent: that decode's Success
+        // (the next send of the room to it, in the same batch of outputs) goes out as status
+        // 0, so it never reports Success over a stale row.
+        let mut aux_lost: Vec<(Room, kvx_core::Endpoint)> = Vec::new();
         for o in out {
             match o {
                 Output::Post { shard, job } => {
@@ -303,9 +307,20 @@ impl Owner {
                 }
                 Output::Send {
                     endpoint,
-                    frames,
+                    mut frames,
                     status_of,
                 } => {
+                    if let Some(room) = status_of
+                        && let Some(i) = aux_lost
+                            .iter()
+                            .position(|(r, e)| *r == room && *e == endpoint)
+                    {
+                        aux_lost.swap_remove(i);
+                        let rank = self.core.manager().prefill_unique_rank();
+                        frames = wire::encode_status_with_reason(room, KVPoll::Failed, rank, None);
+                        metrics::counter!("kvx_aux_rows_lost_total").increment(1);
+                        tracing::error!(%room, %endpoint, "AUX_DATA not sent: the decode is told Failed, not Success");
+                    }
                     self.notifier.send(endpoint, frames);
                     if let Some(room) = status_of {
                         crate::timeline::stage!(room, "status_sent");
@@ -340,9 +355,15 @@ impl Owner {
                         let index = u32::try_from(index).map_err(|e| e.to_string())?;
                         wire::encode_aux_data(room, index, dst_row, &row).map_err(|e| e.to_string())
                     });
-                    match frames {
-                        Ok(f) => self.notifier.send(endpoint, f),
-                        Err(e) => tracing::error!(%room, error = %e, "AUX_DATA not sent"),
+                    let sent = match frames {
+                        Ok(f) => self.notifier.send(endpoint.clone(), f),
+                        Err(e) => {
+                            tracing::error!(%room, error = %e, "AUX_DATA not sent");
+                            false
+                        }
+                    };
+                    if !sent {
+                        aux_lost.push((room, endpoint));
                     }
                 }
                 Output::Event(e) => {
