@@ -1,5 +1,7 @@
-//! A fatal worker fault injected through a failpoint: sglang's message (made true), every open
-//! room reported Failed to the decode, and the documented exit code — or a restarted worker.
+//! Faults injected through failpoints: a fatal worker fault (sglang's message, made true, every
+//! open room reported Failed to the decode, and the documented exit code — or a restarted
+//! worker), and an `AUX_DATA` row whose send fails (its room is reported Failed, never Success
+//! over a stale row).
 #![cfg(feature = "failpoints")]
 
 mod common;
@@ -102,4 +104,40 @@ fn restarted_worker_keeps_serving() {
     );
     assert_eq!(metric_sum(&m, "kvx_worker_restarts_total"), 1.0);
     assert_eq!(metric_sum(&m, "kvx_live_workers"), 1.0);
+}
+
+#[test]
+fn a_lost_aux_row_fails_its_room_instead_of_succeeding() {
+    let port = free_port();
+    let _prefill = start_prefill(
+        port,
+        &["--aux-over-tcp"],
+        &[("FAILPOINTS", "kvx::notifier::aux_data=1*return")],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s.json");
+    let out = start_decode(
+        port,
+        &s,
+        &[
+            "--requests",
+            "4",
+            "--concurrency",
+            "1",
+            "--prompt-tokens",
+            "200",
+        ],
+    )
+    .wait_output(GUARD);
+    assert_eq!(out.status.code(), Some(1));
+    let sum = summary(&s);
+    // The first room's row never left: Failed (not a Success over a stale row); the others
+    // verify byte for byte, rows included.
+    assert_eq!(sum["failed"], 1, "{sum}");
+    assert_eq!(sum["verified"], 3, "{sum}");
+    assert_eq!(sum["corrupt"], 0, "{sum}");
+    let (_, m) = http_get(port, "/metrics").unwrap();
+    assert_eq!(metric_sum(&m, "kvx_aux_rows_lost_total"), 1.0, "{m}");
+    // sglang's 10 aux buffers, a row each, per room.
+    assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 40.0, "{m}");
 }

@@ -135,6 +135,13 @@ impl View {
     }
 }
 
+/// The failpoint `kvx::notifier::aux_data` (feature `failpoints`): an `AUX_DATA` send fails
+/// as a ZMQ send error would (the message is dropped alone).
+fn aux_send_fault() -> bool {
+    fail::fail_point!("kvx::notifier::aux_data", |_| true);
+    false
+}
+
 /// What [`Owner::new`] is built from.
 pub(crate) struct Parts {
     pub mem: PrefillMemory,
@@ -356,6 +363,7 @@ impl Owner {
                         wire::encode_aux_data(room, index, dst_row, &row).map_err(|e| e.to_string())
                     });
                     let sent = match frames {
+                        Ok(_) if aux_send_fault() => false,
                         Ok(f) => self.notifier.send(endpoint.clone(), f),
                         Err(e) => {
                             tracing::error!(%room, error = %e, "AUX_DATA not sent");
