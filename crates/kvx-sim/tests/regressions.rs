@@ -31,7 +31,8 @@ use kvx_sim::run_seed;
 /// never scattered — the sim's decode now does what kvx-engine's does (the room fails). 9533
 /// (the long profile, once decodes ABORTed on a lost heartbeat): one decode rank of a TP fan-out
 /// room ABORTed it and the prefill told the other decode nothing, which timed out (kvx-core: the
-/// room's other decodes get status 0 once it drained).
+/// room's other decodes get status 0 once it drained). 3820: a model fix (jobs buried with a dead
+/// worker's shard after waiting behind slow writes are excused like jobs the worker takes late).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
     for seed in [

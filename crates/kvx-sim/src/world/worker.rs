@@ -84,6 +84,18 @@ impl World {
             })
     }
 
+    /// Job `id` of `room` leaves its queue (taken by the worker, or buried with the shard): one
+    /// that waited [`QUEUED_LONG`] waited behind slow writes of other rooms on the same shard
+    /// (one session's rooms share a queue, as in the engine), so its decode may time out.
+    fn dequeued(&mut self, p: u32, id: u64, room: kvx_core::Room) {
+        let queued = self.prefills[p as usize].workers.queued_at.remove(&id);
+        if queued.is_some_and(|t| self.clock.now().saturating_sub(t) >= QUEUED_LONG)
+            && self.sc.faulty
+        {
+            self.excuse(Some(room));
+        }
+    }
+
     /// `Output::Post`: the job joins its shard's queue.
     pub(crate) fn worker_post(&mut self, p: u32, shard: usize, job: Job) {
         let w = &mut self.prefills[p as usize].workers;
@@ -140,15 +152,8 @@ impl World {
                 return;
             }
             s.queue.pop_front();
-            let queued = w.queued_at.remove(&id);
             let room = job.room;
-            if queued.is_some_and(|t| self.clock.now().saturating_sub(t) >= QUEUED_LONG)
-                && self.sc.faulty
-            {
-                // Behind slow writes of other rooms on the same shard (one session's rooms
-                // share a queue, as in the engine): its decode may time out.
-                self.excuse(Some(room));
-            }
+            self.dequeued(p, id, room);
             let w = &mut self.prefills[p as usize].workers;
             let Some(s) = w.shards.get_mut(shard) else {
                 return;
@@ -354,11 +359,11 @@ impl World {
         s.dead = true;
         let queued: Vec<u64> = s.queue.drain(..).collect();
         for id in queued {
-            self.prefills[p as usize].workers.queued_at.remove(&id);
             let Some((_, job)) = self.prefills[p as usize].workers.jobs.remove(&id) else {
                 continue;
             };
             let room = job.room;
+            self.dequeued(p, id, room);
             self.prefill_call(p, Some(room), |c, now, out| {
                 c.finished(now, job, Outcome::Skipped, out);
             });
