@@ -101,12 +101,12 @@ use crate::region::Region;
 use crate::worker::{self, JobQueue, WorkerCtx};
 
 mod notifier;
-pub(crate) mod owner;
+mod owner;
 mod staging;
 
-use crate::prefill_core::{CoreConfig, PrefillCore};
+use crate::prefill_core::{CoreConfig, PrefillCore, View};
 use notifier::Notifier;
-use owner::{Call, Input, Owner, Parts, View};
+use owner::{Call, Input, Owner, Parts};
 
 /// Settings of one prefill rank.
 #[derive(Clone, Debug)]

@@ -39,6 +39,7 @@
 
 mod actions;
 mod staging;
+mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -55,6 +56,7 @@ use crate::wire::{self, Frames, PrefillInbound};
 use crate::worker::{Job, Outcome, Work};
 
 pub use staging::PROBE_PERIOD;
+pub(crate) use view::View;
 
 /// How long a rank whose worker died waits for the other workers' batches before it reports
 /// the fault anyway.
@@ -168,7 +170,7 @@ pub struct PrefillCore {
     cfg: CoreConfig,
     mgr: PrefillManager,
     staging: Option<StagingDriver>,
-    view: Arc<crate::engine::owner::View>,
+    view: Arc<View>,
     /// Shards whose worker died and was not restarted: their jobs are completed unsent.
     dead_shards: BTreeSet<usize>,
     /// Every room the manager may hold.
@@ -250,7 +252,7 @@ impl PrefillCore {
     }
 
     /// The view the embedder reads without a round trip.
-    pub(crate) fn view(&self) -> Arc<crate::engine::owner::View> {
+    pub(crate) fn view(&self) -> Arc<View> {
         self.view.clone()
     }
 
