@@ -516,14 +516,6 @@ pub fn writev_nowait(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result
     send_parts(fd, parts, skip, true)
 }
 
-/// Where a part's bytes start.
-fn part_base(p: &IoPart<'_>) -> usize {
-    match p {
-        IoPart::Bytes(b) => b.as_ptr() as usize,
-        IoPart::Span(s) => s.addr as usize,
-    }
-}
-
 fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) -> io::Result<usize> {
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
     for p in parts {
@@ -532,33 +524,25 @@ fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) ->
             skip -= len;
             continue;
         }
-        let base = part_base(p) + skip;
-        let n = len - skip;
+        let base = match p {
+            IoPart::Bytes(b) => b.as_ptr() as usize,
+            IoPart::Span(s) => s.addr as usize,
+        };
+        iov.push(libc::iovec {
+            iov_base: (base + skip) as *mut libc::c_void,
+            iov_len: len - skip,
+        });
         skip = 0;
-        // A part that continues the previous one in memory (a run of small writes read from
-        // consecutive source bytes) extends its iovec: fewer segments for the kernel to walk.
-        if let Some(last) = iov.last_mut()
-            && last.iov_base as usize + last.iov_len == base
-        {
-            last.iov_len += n;
-            continue;
-        }
         if iov.len() == MAX_IOV {
             break;
         }
-        iov.push(libc::iovec {
-            iov_base: base as *mut libc::c_void,
-            iov_len: n,
-        });
     }
     if iov.is_empty() {
         return Ok(0);
     }
     // SAFETY: every iovec points either into a caller-owned byte slice that outlives this call
     // or into a `Span`, which exists only after a successful registered-region lookup; the
-    // registration contract keeps that memory mapped while registered. A merged iovec is the
-    // union of such ranges that touch end to end, so every byte it names is one of theirs.
-    // writev only reads them.
+    // registration contract keeps that memory mapped while registered. writev only reads them.
     let n = if nowait {
         // SAFETY: as above; the message header only refers to `iov`, which outlives the call.
         unsafe {
@@ -797,11 +781,11 @@ mod tests {
         assert!(t.lease_range(&late, 0x4000, 1).is_err());
     }
 
-    /// Parts that touch end to end go out as one iovec; what arrives is still every part's bytes
-    /// in order, whatever the partial writes and skips (more parts than `MAX_IOV`, a socket
-    /// buffer far smaller than the total).
+    /// Every part's bytes arrive in order, whatever the partial writes and skips: more parts
+    /// than `MAX_IOV` (several `writev`s), parts touching end to end, a socket buffer far smaller
+    /// than the total.
     #[test]
-    fn adjacent_parts_arrive_whole_and_in_order() {
+    fn many_parts_arrive_whole_and_in_order() {
         use std::io::Read as _;
         use std::os::fd::AsRawFd as _;
         let t = RegionTable::new();
