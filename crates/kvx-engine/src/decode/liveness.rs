@@ -33,6 +33,9 @@ pub(super) async fn heartbeat(peer: Arc<Peer>, client: BootstrapClient, topo: Ar
                     };
                     let aborts = peer.handle(lost, None);
                     peer.send_aborts(aborts).await;
+                    // Rooms waiting for ABORT_ACKs look again: ranks that are gone now count
+                    // as stopped (see `release`).
+                    peer.acked.notify_waiters();
                     metrics::counter!("kvx_decode_prefill_instances_lost_total").increment(1);
                     tracing::warn!(
                         bootstrap_addr = %topo.bootstrap_addr,

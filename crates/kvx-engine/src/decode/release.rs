@@ -5,10 +5,15 @@
 //! [`LATE_WRITE_WINDOW`], and a change is counted as a late write. With a device KV pool
 //! ([`crate::region::Region::from_raw_device`]) that check is skipped — the CPU cannot read the
 //! pages — and the release rests on the `ABORT_ACK`s and the release timeout alone (no late write
-//! is ever counted). A room that failed without an `ABORT` (its prefill instance or rank is gone)
-//! keeps its pages for [`FAILED_GRACE`]; one a prefill rank reported Failed is ABORTed on every
-//! rank (`kvx-core`'s decode manager), so with TP fan-in the ranks that did not fail stop writing
-//! and acknowledge before its pages go back.
+//! is ever counted). A room that failed without an `ABORT` (one of its ranks' inbox is gone)
+//! keeps its pages for [`FAILED_GRACE`]; one a prefill rank reported Failed, or whose instance's
+//! heartbeat was lost, is ABORTed on every rank (`kvx-core`'s decode manager), so with TP fan-in
+//! the ranks that did not fail stop writing and acknowledge before its pages go back. After a
+//! lost heartbeat the decode probes the inbox of each rank that has not acknowledged (a TCP
+//! connect, twice): one that refuses is gone and counts as stopped; one still there (one rank's
+//! process died, or only the bootstrap server) keeps the pages until it acknowledges or the
+//! release timeout passes — kvx-sim seed 88 found pages released under such a rank's writes
+//! when every rank was taken for dead.
 //!
 //! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
 //! generation counts only when it is the room's current one (a late ACK of an earlier abort of a
@@ -33,6 +38,9 @@ pub(super) struct AbortWait {
     pub(super) generation: Option<u64>,
     /// The ranks whose ranked `ABORT_ACK` came back.
     pub(super) acked: HashSet<u32>,
+    /// Inboxes the `ABORT` went to that no longer accept a connection (after the instance's
+    /// heartbeat was lost): their process is gone and writes nothing more.
+    pub(super) gone: HashSet<Endpoint>,
 }
 
 impl AbortWait {
@@ -62,15 +70,44 @@ impl AbortWait {
 /// A failed room that was not ABORTed keeps its pages this long (its prefill may still have a
 /// write in flight when it reports the failure).
 const FAILED_GRACE: Duration = Duration::from_secs(1);
+/// How long a probe of a rank's inbox may take to connect (see `mark_gone_ranks`).
+const GONE_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// After the last `ABORT_ACK`, the room's pages must stay unchanged this long.
 const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
 
 impl Peer {
-    /// True once every rank the room's `ABORT` went to acknowledged it.
+    /// True once every rank the room's `ABORT` went to acknowledged it or is gone.
     fn abort_acked(&self, room: Room) -> bool {
         lock(&self.aborts)
             .get(&room)
-            .is_some_and(|w| w.acked.len() >= w.sent_to.len())
+            .is_some_and(|w| w.acked.len() + w.gone.len() >= w.sent_to.len())
+    }
+
+    /// The instance's heartbeat is lost: probes each inbox the room's `ABORT` went to that has
+    /// not acknowledged; one that refuses a connection (twice, half a second apart) is gone.
+    /// A rank still running (one rank's process died, or only the bootstrap server) keeps the
+    /// pages until it acknowledges, since it may still have the room's writes queued.
+    async fn mark_gone_ranks(&self, room: Room) {
+        let pending: Vec<Endpoint> = lock(&self.aborts)
+            .get(&room)
+            .map(|w| w.sent_to.difference(&w.gone).cloned().collect())
+            .unwrap_or_default();
+        for ep in pending {
+            let mut alive = false;
+            for attempt in 0..2 {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                if kvx_bootstrap::http::tcp_alive(&ep.host, ep.port, GONE_PROBE_TIMEOUT).await {
+                    alive = true;
+                    break;
+                }
+            }
+            if !alive && let Some(w) = lock(&self.aborts).get_mut(&room) {
+                w.gone.insert(ep);
+            }
+        }
+        self.acked.notify_waiters();
     }
 
     /// Holds a failed room's pages until nothing can land in them any more (see the module
@@ -88,6 +125,7 @@ impl Peer {
         }
         self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
         let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
+        let mut probed = false;
         let acked = loop {
             let notified = self.acked.notified();
             tokio::pin!(notified);
@@ -95,9 +133,15 @@ impl Peer {
             if self.abort_acked(room) {
                 break true;
             }
-            if dead.load(Ordering::Relaxed)
-                || tokio::time::timeout_at(deadline, notified).await.is_err()
-            {
+            if dead.load(Ordering::Relaxed) && !probed {
+                // Heartbeat lost: ranks that are gone count as stopped; the others still owe
+                // their ACK (kvx-sim found pages released under a live rank's queued writes
+                // when every rank was taken for dead here).
+                probed = true;
+                self.mark_gone_ranks(room).await;
+                continue;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 break false;
             }
         };

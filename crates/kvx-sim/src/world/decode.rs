@@ -11,6 +11,7 @@ use kvx_core::{
 };
 
 use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
+use crate::clock::MS;
 use crate::invariants::Inv;
 use crate::memory::{STATE_BUFFERS, STATE_ITEM};
 use crate::net::{Msg, Node};
@@ -196,6 +197,12 @@ impl World {
                     });
                     let inc = self.decodes[d as usize].inc;
                     self.schedule(now + self.sc.release_timeout, Ev::Release { d, inc, room });
+                    if matches!(reason, Some(DecodeFailure::LostConnection { .. })) {
+                        // kvx-engine's decode probes the ranks' inboxes once the heartbeat is
+                        // lost: a rank that is gone counts as stopped, the others still owe
+                        // their ABORT_ACK.
+                        self.schedule(now + 1000 * MS, Ev::GoneProbe { d, inc, room });
+                    }
                     self.maybe_release(d, room);
                 }
             }
@@ -219,6 +226,23 @@ impl World {
         if quiet {
             self.decode_release(d, room);
         }
+    }
+
+    /// The probe after a lost heartbeat: prefill ranks whose process is down count as stopped.
+    pub(crate) fn decode_gone_probe(&mut self, d: u32, inc: u32, room: Room) {
+        if self.decodes[d as usize].inc != inc {
+            return;
+        }
+        let gone: Vec<u32> = self.decodes[d as usize]
+            .targets
+            .iter()
+            .filter(|t| !t.dummy && self.prefills[t.tp_rank as usize].down)
+            .map(|t| t.tp_rank)
+            .collect();
+        if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) {
+            dr.acked.extend(gone);
+        }
+        self.maybe_release(d, room);
     }
 
     /// Gives a room's pages and row back.

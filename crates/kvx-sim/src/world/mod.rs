@@ -138,6 +138,15 @@ pub enum Ev {
         /// Rank.
         p: u32,
     },
+    /// Decode rank `d` probes the inboxes of a room's prefill ranks after a lost heartbeat.
+    GoneProbe {
+        /// Rank.
+        d: u32,
+        /// Incarnation.
+        inc: u32,
+        /// Room.
+        room: Room,
+    },
     /// Decode rank `d` loses the prefill instance's heartbeat.
     HeartbeatLost {
         /// Rank.
@@ -186,7 +195,8 @@ impl Ev {
             | Ev::Chunk { room, .. }
             | Ev::DecodeAbort { room, .. }
             | Ev::PrefillAbort { room, .. }
-            | Ev::Release { room, .. } => Some(*room),
+            | Ev::Release { room, .. }
+            | Ev::GoneProbe { room, .. } => Some(*room),
             Ev::Answer(a) => Some(a.room),
             Ev::ScatterCopy { job, .. } => Some(job.room),
             _ => None,
@@ -667,6 +677,7 @@ impl World {
             Ev::PrefillExit { p } => self.prefill_exit(p),
             Ev::PrefillRestart { p } => self.prefill_restart(p),
             Ev::HeartbeatLost { d } => self.decode_heartbeat_lost(d),
+            Ev::GoneProbe { d, inc, room } => self.decode_gone_probe(d, inc, room),
             Ev::DecodeCrash { d } => self.decode_crash(d),
             Ev::DecodeRestart { d } => self.decode_restart(d),
             Ev::Pump { p, inc, shard } => self.worker_pump(p, inc, shard),
