@@ -35,7 +35,7 @@ use kvx_sim::run_seed;
 /// worker's shard after waiting behind slow writes are excused like jobs the worker takes late).
 /// 88 (once the decode model released a heartbeat-lost room's pages after kvx-engine's 1 s grace):
 /// a live rank of the instance wrote into pages given to another room (kvx-engine: after a lost
-/// heartbeat the decode probes the ranks' inboxes and waits for the ACKs of those still there).
+/// heartbeat the decode probes the ranks' inboxes and releases at once only when none answers).
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
     for seed in [

@@ -463,7 +463,7 @@ impl PrefillManager {
 
     /// Status 0 at once to a decode whose metadata reached this rank after the room concluded
     /// here: nothing was or will be written to it (its pages are not in the room's plan).
-    fn late_metadata(&self, req: &TransferRequest, status: KVPoll, out: &mut Vec<PrefillAction>) {
+    fn late_metadata(&self, req: &TransferRequest, out: &mut Vec<PrefillAction>) {
         if req.is_dummy() {
             return;
         }
@@ -473,7 +473,7 @@ impl PrefillManager {
             status: KVPoll::Failed,
             prefill_rank: self.rank,
             reason: Some(format!(
-                "Metadata for {} reached prefill rank {} after the room concluded there ({status})",
+                "Metadata for {} reached prefill rank {} after the room concluded there",
                 req.room, self.rank
             )),
             with_reason: self
@@ -503,7 +503,7 @@ impl PrefillManager {
             entry.1 = self.use_clock;
         }
         if !self.rooms.contains_key(&room) && self.recent.contains(&room) {
-            self.late_metadata(&req, KVPoll::Failed, out);
+            self.late_metadata(&req, out);
             return Ok(());
         }
         if !self.rooms.contains_key(&room) {
@@ -521,9 +521,8 @@ impl PrefillManager {
             // A decode this room never heard from (a restarted one, or one whose metadata was
             // slow) gets its status now; one it knows gets it with the others.
             let known = rs.infos.iter().any(|i| i.session == req.session);
-            let status = rs.status;
             if !known {
-                self.late_metadata(&req, status, out);
+                self.late_metadata(&req, out);
             }
             return Ok(());
         }

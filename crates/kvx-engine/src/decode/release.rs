@@ -9,11 +9,11 @@
 //! keeps its pages for [`FAILED_GRACE`]; one a prefill rank reported Failed, or whose instance's
 //! heartbeat was lost, is ABORTed on every rank (`kvx-core`'s decode manager), so with TP fan-in
 //! the ranks that did not fail stop writing and acknowledge before its pages go back. After a
-//! lost heartbeat the decode probes the inbox of each rank that has not acknowledged (a TCP
-//! connect, twice): one that refuses is gone and counts as stopped; one still there (one rank's
-//! process died, or only the bootstrap server) keeps the pages until it acknowledges or the
-//! release timeout passes — kvx-sim seed 88 found pages released under such a rank's writes
-//! when every rank was taken for dead.
+//! lost heartbeat the decode probes the ranks' inboxes (a TCP connect, twice): when none
+//! answers, every rank is gone and the pages go back; when one does (one rank's process died,
+//! or only the bootstrap server), the ranks that have not acknowledged keep the pages until they
+//! do or the release timeout passes — kvx-sim seed 88 found pages released under a live rank's
+//! writes when every rank was taken for dead after a 1 s grace.
 //!
 //! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
 //! generation counts only when it is the room's current one (a late ACK of an earlier abort of a
@@ -38,9 +38,9 @@ pub(super) struct AbortWait {
     pub(super) generation: Option<u64>,
     /// The ranks whose ranked `ABORT_ACK` came back.
     pub(super) acked: HashSet<u32>,
-    /// Inboxes the `ABORT` went to that no longer accept a connection (after the instance's
-    /// heartbeat was lost): their process is gone and writes nothing more.
-    pub(super) gone: HashSet<Endpoint>,
+    /// After the instance's heartbeat was lost, no inbox the `ABORT` went to accepted a
+    /// connection: every rank's process is gone and writes nothing more.
+    pub(super) all_gone: bool,
 }
 
 impl AbortWait {
@@ -76,36 +76,40 @@ const GONE_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
 
 impl Peer {
-    /// True once every rank the room's `ABORT` went to acknowledged it or is gone.
+    /// True once every rank the room's `ABORT` went to acknowledged it, or all of them are gone.
     fn abort_acked(&self, room: Room) -> bool {
         lock(&self.aborts)
             .get(&room)
-            .is_some_and(|w| w.acked.len() + w.gone.len() >= w.sent_to.len())
+            .is_some_and(|w| w.all_gone || w.acked.len() >= w.sent_to.len())
     }
 
-    /// The instance's heartbeat is lost: probes each inbox the room's `ABORT` went to that has
-    /// not acknowledged; one that refuses a connection (twice, half a second apart) is gone.
-    /// A rank still running (one rank's process died, or only the bootstrap server) keeps the
-    /// pages until it acknowledges, since it may still have the room's writes queued.
+    /// The instance's heartbeat is lost: probes each inbox the room's `ABORT` went to (a TCP
+    /// connect, twice, half a second apart). When none answers, every rank is gone. When one
+    /// does (one rank's process died, or only the bootstrap server), the ranks that have not
+    /// acknowledged still owe their ACK: a live one may have the room's writes queued, and an
+    /// ACK names a rank, not the inbox, so a dead rank cannot be told from a live one here.
     async fn mark_gone_ranks(&self, room: Room) {
-        let pending: Vec<Endpoint> = lock(&self.aborts)
+        let inboxes: Vec<Endpoint> = lock(&self.aborts)
             .get(&room)
-            .map(|w| w.sent_to.difference(&w.gone).cloned().collect())
+            .map(|w| w.sent_to.iter().cloned().collect())
             .unwrap_or_default();
-        for ep in pending {
-            let mut alive = false;
+        let mut any_alive = false;
+        for ep in inboxes {
             for attempt in 0..2 {
                 if attempt > 0 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 if kvx_bootstrap::http::tcp_alive(&ep.host, ep.port, GONE_PROBE_TIMEOUT).await {
-                    alive = true;
+                    any_alive = true;
                     break;
                 }
             }
-            if !alive && let Some(w) = lock(&self.aborts).get_mut(&room) {
-                w.gone.insert(ep);
+            if any_alive {
+                break;
             }
+        }
+        if !any_alive && let Some(w) = lock(&self.aborts).get_mut(&room) {
+            w.all_gone = true;
         }
         self.acked.notify_waiters();
     }

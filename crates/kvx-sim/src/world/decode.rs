@@ -199,8 +199,7 @@ impl World {
                     self.schedule(now + self.sc.release_timeout, Ev::Release { d, inc, room });
                     if matches!(reason, Some(DecodeFailure::LostConnection { .. })) {
                         // kvx-engine's decode probes the ranks' inboxes once the heartbeat is
-                        // lost: a rank that is gone counts as stopped, the others still owe
-                        // their ABORT_ACK.
+                        // lost: when none answers, every rank counts as stopped.
                         self.schedule(now + 1000 * MS, Ev::GoneProbe { d, inc, room });
                     }
                     self.maybe_release(d, room);
@@ -228,19 +227,23 @@ impl World {
         }
     }
 
-    /// The probe after a lost heartbeat: prefill ranks whose process is down count as stopped.
+    /// The probe after a lost heartbeat (kvx-engine's decode): when no prefill rank of the
+    /// room is up any more, every one counts as stopped; while one is, those that have not
+    /// answered still owe their word.
     pub(crate) fn decode_gone_probe(&mut self, d: u32, inc: u32, room: Room) {
         if self.decodes[d as usize].inc != inc {
             return;
         }
-        let gone: Vec<u32> = self.decodes[d as usize]
+        let ranks: Vec<u32> = self.decodes[d as usize]
             .targets
             .iter()
-            .filter(|t| !t.dummy && self.prefills[t.tp_rank as usize].down)
             .map(|t| t.tp_rank)
             .collect();
+        if ranks.iter().any(|&p| !self.prefills[p as usize].down) {
+            return;
+        }
         if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room) {
-            dr.acked.extend(gone);
+            dr.acked.extend(ranks);
         }
         self.maybe_release(d, room);
     }
