@@ -32,9 +32,11 @@
 //! let (room, mut out) = (Room::new(7).unwrap(), Vec::new());
 //! core.open_room(now, room, &mut out).unwrap();
 //! core.init_room(now, room, 1, 0, &mut out).unwrap();
-//! // No decode sent metadata: nothing to do yet but the room row.
-//! assert!(out.iter().all(|o| matches!(o, Output::FillRoomRow { .. })));
-//! assert!(core.poll(room).is_some());
+//! // No decode sent metadata yet: the room waits, nothing is posted or sent.
+//! assert_eq!(core.poll(room), Some(kvx_core::KVPoll::Bootstrapping));
+//! assert!(!out.iter().any(|o| matches!(o, Output::Post { .. } | Output::Send { .. })));
+//! // Its bootstrap deadline is what the driver sleeps until.
+//! assert!(core.poll_timeout().is_some());
 //! ```
 
 mod actions;
