@@ -571,12 +571,19 @@ async fn start_peer(
 ) -> Result<(Arc<Peer>, DataPlane)> {
     let layout = cfg.layout.clone();
     let ring = match &cfg.staging {
-        Some(s) => Some(Arc::new(crate::plane::alloc_region(
-            cfg.backend,
-            name,
-            "ring",
-            usize::try_from(s.ring_bytes).context("staging ring size")?,
-        )?)),
+        Some(s) => {
+            let ring = crate::plane::alloc_region(
+                cfg.backend,
+                name,
+                "ring",
+                usize::try_from(s.ring_bytes).context("staging ring size")?,
+            )?;
+            // Registration pins memory: fault the ring in now, not on the first rooms' writes.
+            if let Err(e) = ring.populate() {
+                tracing::debug!(error = %e, "staging ring left to fault in lazily");
+            }
+            Some(Arc::new(ring))
+        }
         None => None,
     };
     let mut regions = vec![kv.clone(), aux.clone()];

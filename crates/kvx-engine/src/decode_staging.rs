@@ -209,9 +209,12 @@ impl DecodeStager {
                 .checked_add(layout.writer_offset(w, job.num_pages))
                 .ok_or_else(|| StagingError::Geometry("ring offset overflows".into()))?;
             let len = layout.writer_bytes(w, job.num_pages);
-            let block = self
-                .ring
-                .to_vec(self.ring.base().saturating_add(off), len)?;
+            // Read in place: a copy of the block would cost a payload-sized allocation (and its
+            // page faults) per chunk and writer.
+            // SAFETY: every prefill writer of this chunk reported CHUNK_READY, so its data-plane
+            // write into this ring region is complete, and the state machine hands the region
+            // out again only after `on_scatter_done` (below, after this view is dropped).
+            let block = unsafe { self.ring.view(self.ring.base().saturating_add(off), len) }?;
             let page_bytes = spec.block_len(1, 1);
             if spec.block_len(l.num_buffers, n) != block.len() {
                 return Err(StagingError::Geometry(format!(

@@ -338,6 +338,8 @@ pub struct PrefillEngine {
     threads: std::sync::Weak<WorkerCtx>,
     /// Set by [`PrefillEngine::begin_drain`]: the reason new rooms are refused with.
     drain: Mutex<Option<String>>,
+    /// Bytes of the staging buffers this engine allocated and registered.
+    own_bytes: u64,
 }
 
 /// How long [`PrefillEngine::shutdown`] waits for its threads beyond the data-plane timeout (a
@@ -367,7 +369,8 @@ impl PrefillEngine {
         let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)
             .ok_or_else(|| EngineError::Config("page size 0".into()))?;
         // sglang's size: one full grid chunk of every local KV buffer (this rank's heads bound
-        // every slice it stages). Zeroed lazily by the allocator: untouched pages cost nothing.
+        // every slice it stages). Faulted in at start, as registration pins memory: the first
+        // staged rooms would otherwise pay a page fault per 4 KiB on the data path.
         let stage_bufs: Vec<Arc<Region>> = if cfg.staging && !mem.mla {
             let len = grid
                 .full_chunk_pages()
@@ -376,11 +379,18 @@ impl PrefillEngine {
                 .and_then(|b| usize::try_from(b).ok())
                 .ok_or_else(|| EngineError::Config("staging buffer size overflows".into()))?;
             (0..cfg.queues.max(1))
-                .map(|_| Arc::new(Region::new(len)))
+                .map(|_| {
+                    let r = Region::new(len);
+                    if let Err(e) = r.populate() {
+                        tracing::debug!(error = %e, "staging buffer left to fault in lazily");
+                    }
+                    Arc::new(r)
+                })
                 .collect()
         } else {
             Vec::new()
         };
+        let own_bytes = stage_bufs.iter().map(|b| b.len()).sum();
         let mut regions = vec![mem.kv.clone(), mem.aux.clone()];
         regions.extend(mem.state_regions.iter().cloned());
         regions.extend(stage_bufs.iter().cloned());
@@ -487,6 +497,7 @@ impl PrefillEngine {
             .spawn(move || inbox_loop(&s, &tx, inbox, &clock))?;
         tracing::info!(%endpoint, "prefill rank inbox bound");
         Ok(PrefillEngine {
+            own_bytes,
             threads: Arc::downgrade(&workers),
             inputs: inputs_tx,
             view,
@@ -502,6 +513,12 @@ impl PrefillEngine {
     /// The inbox endpoint decodes send to (what PUT /route advertises).
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
+    }
+
+    /// Bytes of memory the engine allocated and registered itself (its staging buffers, one
+    /// per transfer queue, faulted in at start), beside the caller's [`PrefillMemory`].
+    pub fn own_memory_bytes(&self) -> u64 {
+        self.own_bytes
     }
 
     /// The settings the engine runs with.

@@ -2,7 +2,8 @@
 //! link test (`kvx send` into `kvx recv`) moving the same bytes in the same run.
 //!
 //! **Engines** ([`super::e2e_engine`]): Llama-3-8B TP1 at 4k and 32k tokens, DeepSeek-V3 (MLA)
-//! at 4k and Llama-3-8B from prefill TP 2 to decode TP 1 by head slices, through `kvx-cli`'s
+//! at 4k and Llama-3-8B from prefill TP 2 to decode TP 1 by head slices and through the decode's
+//! staging ring, through `kvx-cli`'s
 //! `engine_rooms` example (prefill and decode engines in one process, the synthetic model's fill
 //! and the verification off the clock), then empty rooms for the control overhead. The bench's
 //! last line is `e2e/link ratio: R`, the smallest engine / link quotient of those shapes.
@@ -368,7 +369,8 @@ fn engine_part(
         for &tokens in shape.tokens {
             let room = shape.bytes_per_token * tokens;
             // The prefill ranks' pools and the decode's.
-            let footprint = 2 * shape.bytes_per_token * (tokens.div_ceil(16) + 64) * 16;
+            let footprint =
+                2 * shape.bytes_per_token * (tokens.div_ceil(16) + 64) * 16 + shape.extra_bytes;
             if footprint > avail / 2 {
                 left_out.push(format!(
                     "{} at {tokens} tokens needs about {:.1} GiB, {:.1} GiB available",
@@ -396,6 +398,7 @@ fn engine_part(
                 &rooms.to_string(),
             ]
             .iter()
+            .chain(shape.extra)
             .map(|s| s.to_string())
             .collect();
             let name = format!("engine-{}-{tokens}", shape.key);

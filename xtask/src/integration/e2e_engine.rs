@@ -32,10 +32,22 @@ pub struct EngineShape {
     pub bytes_per_token: u64,
     /// Prompt lengths measured.
     pub tokens: &'static [u64],
+    /// Extra flags of the example.
+    pub extra: &'static [&'static str],
+    /// Memory the engines allocate beyond the pools (staging buffers and ring; memory guard).
+    pub extra_bytes: u64,
 }
 
-/// Issue 15 item 4's shapes (its staging shape needs the `kvx decode` driver: see the processes
-/// table).
+/// Staging with 2048-token chunks (256 MiB at decode TP 1) and a 1 GiB ring, as the processes
+/// table's staging shape.
+const STAGING: &[&str] = &[
+    "--staging-ring-mib",
+    "1024",
+    "--chunked-prefill-size",
+    "2048",
+];
+
+/// Issue 15 item 4's shapes.
 pub const ENGINE_SHAPES: &[EngineShape] = &[
     EngineShape {
         label: "Llama-3-8B TP1",
@@ -44,6 +56,8 @@ pub const ENGINE_SHAPES: &[EngineShape] = &[
         tp: 1,
         bytes_per_token: 32 * 2 * 8 * 128 * 2,
         tokens: &[4096, 32768],
+        extra: &[],
+        extra_bytes: 0,
     },
     EngineShape {
         label: "DeepSeek-V3 MLA",
@@ -52,6 +66,8 @@ pub const ENGINE_SHAPES: &[EngineShape] = &[
         tp: 1,
         bytes_per_token: 61 * 576 * 2,
         tokens: &[4096],
+        extra: &[],
+        extra_bytes: 0,
     },
     EngineShape {
         label: "Llama-3-8B TP2->TP1 head slices",
@@ -60,6 +76,19 @@ pub const ENGINE_SHAPES: &[EngineShape] = &[
         tp: 2,
         bytes_per_token: 32 * 2 * 8 * 128 * 2,
         tokens: &[4096],
+        extra: &[],
+        extra_bytes: 0,
+    },
+    EngineShape {
+        label: "Llama-3-8B TP2->TP1 staging",
+        key: "llama3-8b-tp2-tp1-staging",
+        preset: "llama3-8b",
+        tp: 2,
+        bytes_per_token: 32 * 2 * 8 * 128 * 2,
+        tokens: &[4096],
+        extra: STAGING,
+        // The ring, and one 2048-token chunk of a rank's KV per transfer queue (4) and rank.
+        extra_bytes: (1 << 30) + 2 * 4 * 2048 * 32 * 2 * 4 * 128 * 2,
     },
 ];
 

@@ -260,7 +260,8 @@ fn main() -> Result<()> {
     let client = BootstrapClient::new("127.0.0.1", port)?;
     let (report_tx, reports) = std::sync::mpsc::channel();
     let mut ranks = Vec::new();
-    // Caller-owned memory registered with the engines (KV pools and aux buffers, both sides).
+    // Memory registered with the engines: the caller's KV pools and aux buffers on both sides,
+    // and what the engines allocate themselves (staging buffers, the decode's ring).
     let mut registered = 0u64;
     for r in 0..a.tp_size {
         let layout = a.model.layout(a.tp_size, r, a.page_size, pool_pages);
@@ -284,6 +285,7 @@ fn main() -> Result<()> {
             ..PrefillConfig::default()
         };
         let engine = Arc::new(PrefillEngine::start(cfg, mem.clone(), rt.handle().clone())?);
+        registered += engine.own_memory_bytes();
         let events = engine.take_events().context("prefill events")?;
         let args = ModelArgs {
             model: a.model,
@@ -337,6 +339,7 @@ fn main() -> Result<()> {
         dmem,
         rt.handle().clone(),
     )?;
+    registered += decode.own_memory_bytes();
     let devents = decode.take_events().context("decode events")?;
     let addr = format!("127.0.0.1:{port}");
     let mut dpages = PageAllocator::new(pool_pages, a.fragmentation, 7);

@@ -354,6 +354,13 @@ impl DecodeEngine {
         }
     }
 
+    /// Bytes of memory the engine allocated and registered itself (the staging ring, faulted
+    /// in at start), beside the caller's [`DecodeMemory`].
+    pub fn own_memory_bytes(&self) -> u64 {
+        let stager = self.inner.peer.stager.as_ref();
+        stager.and_then(|st| st.ring_info().size).unwrap_or(0)
+    }
+
     /// The data-plane session id the prefill writes to (`ip:port`).
     pub fn session(&self) -> &str {
         self.inner.peer.session.as_str()
