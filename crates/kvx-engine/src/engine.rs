@@ -369,8 +369,8 @@ impl PrefillEngine {
         let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)
             .ok_or_else(|| EngineError::Config("page size 0".into()))?;
         // sglang's size: one full grid chunk of every local KV buffer (this rank's heads bound
-        // every slice it stages). Faulted in at start, as registration pins memory: the first
-        // staged rooms would otherwise pay a page fault per 4 KiB on the data path.
+        // every slice it stages). Zeroed lazily: only a slice that cuts token slots (a decode of
+        // larger attention-TP size) is gathered here; whole slots go from the KV pages.
         let stage_bufs: Vec<Arc<Region>> = if cfg.staging && !mem.mla {
             let len = grid
                 .full_chunk_pages()
@@ -379,13 +379,7 @@ impl PrefillEngine {
                 .and_then(|b| usize::try_from(b).ok())
                 .ok_or_else(|| EngineError::Config("staging buffer size overflows".into()))?;
             (0..cfg.queues.max(1))
-                .map(|_| {
-                    let r = Region::new(len);
-                    if let Err(e) = r.populate() {
-                        tracing::debug!(error = %e, "staging buffer left to fault in lazily");
-                    }
-                    Arc::new(r)
-                })
+                .map(|_| Arc::new(Region::new(len)))
                 .collect()
         } else {
             Vec::new()
@@ -516,7 +510,7 @@ impl PrefillEngine {
     }
 
     /// Bytes of memory the engine allocated and registered itself (its staging buffers, one
-    /// per transfer queue, faulted in at start), beside the caller's [`PrefillMemory`].
+    /// per transfer queue, with `staging`), beside the caller's [`PrefillMemory`].
     pub fn own_memory_bytes(&self) -> u64 {
         self.own_bytes
     }

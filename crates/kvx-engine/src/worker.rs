@@ -4,15 +4,17 @@
 //! A worker keeps up to [`DEPTH`] batches posted at once: the next batch's windows queue behind
 //! the current one's on the session's connections, so they do not idle while a batch's last
 //! window is acknowledged. Batches are posted in queue order (a room's chunks stay in order on
-//! the wire) and answered as they complete. A staged chunk runs alone: every staged chunk of a
-//! shard is gathered into the shard's one staging buffer.
+//! the wire) and answered as they complete. A staged chunk runs alone: a staged chunk of a
+//! shard may be gathered into the shard's one staging buffer.
 //!
 //! A worker owns no room state: it pops a [`Job`] (a batch the `kvx-core` prefill manager
 //! planned, or a staged chunk), posts it on its cached `kvx-rdma` session to the decode and sends
 //! the [`Outcome`] back to the loop ([`crate::engine`]'s one owner), which feeds the manager. A
 //! job whose room was failed meanwhile (its cancel flag is set by the loop) is reported
-//! [`Outcome::Skipped`] without a write. A staged chunk ([`Work::Stage`]) is first gathered into
-//! the worker's registered staging buffer and written with one op into the decode's ring; the
+//! [`Outcome::Skipped`] without a write. A staged chunk ([`Work::Stage`]) whose slice is this
+//! rank's every head is written page by page from the KV pages to its place in the decode's
+//! ring; one that cuts token slots is first gathered into the worker's registered staging buffer
+//! and written with one op; the
 //! loop sends its `CHUNK_READY`. A fatal fault — a panic, an injected fault — ends the worker:
 //! it first waits for the other batches it has posted (each reported as usual), then reports the
 //! job it died on and the fault in one [`Report::Died`], after which nothing more of that job can
@@ -60,7 +62,7 @@ pub enum Work {
         /// The writes.
         ops: Vec<TransferOp>,
     },
-    /// A staged chunk: gather, one write into the decode's ring (the loop sends `CHUNK_READY`).
+    /// A staged chunk: its block written into the decode's ring (the loop sends `CHUNK_READY`).
     Stage(Box<StageWork>),
 }
 
@@ -308,6 +310,44 @@ fn drain(
     true
 }
 
+/// The writes that put a staged chunk's block into the decode's ring. A slice of whole token
+/// slots (this rank's every head) is written page by page straight from the KV pages to its
+/// place in the block ([`kvx_staging::gather_writes`]: no CPU copy, the staging buffer unused);
+/// a slice that cuts token slots is gathered on the CPU first ([`gather_chunk`]).
+fn stage_writes(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Vec<TransferOp>, String> {
+    let kv = &ctx.mem.kv;
+    let end = kv.base().saturating_add(kv.len());
+    // Each buffer runs at most to the end of the KV region (pages past it are refused).
+    let bufs: Vec<(u64, usize)> = ctx
+        .mem
+        .kv_ptrs
+        .iter()
+        .map(|&p| {
+            (
+                p,
+                usize::try_from(end.saturating_sub(p)).unwrap_or(usize::MAX),
+            )
+        })
+        .collect();
+    let direct = kvx_staging::gather_writes(&w.spec, &bufs, &w.src_pages, w.dst)
+        .map_err(|e| e.to_string())?;
+    let ops = match direct {
+        Some(ops) => {
+            let len: u64 = ops.iter().map(|o| o.len).sum();
+            if len != w.len {
+                return Err(format!(
+                    "staged block of {} bytes does not match the slice ({len})",
+                    w.len
+                ));
+            }
+            metrics::counter!("kvx_staged_bytes_total").increment(w.len);
+            ops
+        }
+        None => vec![gather_chunk(ctx, shard, w)?],
+    };
+    Ok(ops)
+}
+
 /// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
 /// the chunk's own pages are read), and returns the one write that carries the block.
 fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
@@ -396,8 +436,8 @@ fn start(
     }
     let ops = match &mut job.work {
         Work::Batch { ops, .. } => std::mem::take(ops),
-        Work::Stage(w) => match gather_chunk(ctx, shard, w) {
-            Ok(op) => vec![op],
+        Work::Stage(w) => match stage_writes(ctx, shard, w) {
+            Ok(ops) => ops,
             Err(e) => {
                 return Ok(Started::Done(Outcome::RoomFailed(format!(
                     "staging chunk {} of {room}: {e}",

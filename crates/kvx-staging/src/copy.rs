@@ -1,4 +1,4 @@
-//! Gather and scatter of staged chunks on host memory.
+//! Gather and scatter of staged chunks on host memory, and the gather as data-plane writes.
 //!
 //! [`gather`] copies one writer's head slices of a chunk out of its KV pages into one contiguous
 //! block laid out `[K layer0 | K layer1 | … | V layer0 | …]`, each layer slice `tokens × heads ×
@@ -182,6 +182,58 @@ pub fn gather<B: AsRef<[u8]>>(
     Ok(at)
 }
 
+/// The gather as data-plane writes, when the slice is a whole token slot (this side's every
+/// head: a prefill of larger attention-TP size writes all its heads into one decode rank): one
+/// write per page of every buffer, from the KV page straight to its place in the block at
+/// `block` (adjacent pages merged), so the block is assembled by the transport at the far end
+/// and no staging buffer or CPU copy is needed. `bufs` are the buffers' base addresses and
+/// lengths (`[K…, V…]`, as in [`gather`]). `Ok(None)`: the slice cuts token slots (a subset of
+/// the heads), so it is gathered on the CPU with [`gather`]. The writes leave the block exactly
+/// as [`gather`] fills it; every page is checked first.
+pub fn gather_writes(
+    spec: &SliceSpec,
+    bufs: &[(u64, usize)],
+    pages: &[i32],
+    block: u64,
+) -> Result<Option<Vec<kvx_core::TransferOp>>, CopyError> {
+    let need = spec.block_len(bufs.len(), pages.len());
+    let Cut {
+        slot,
+        tb,
+        page_bytes,
+        ..
+    } = spec.cut(bufs.iter().map(|b| b.1), pages, need)?;
+    if tb != slot {
+        return Ok(None);
+    }
+    let mut ops: Vec<kvx_core::TransferOp> = Vec::with_capacity(bufs.len() * pages.len());
+    let mut at = 0u64;
+    let len = page_bytes as u64;
+    for (b, &(base, buf_len)) in bufs.iter().enumerate() {
+        for &page in pages {
+            let off = spec.page_range(b, buf_len, page)? as u64;
+            let bad = || CopyError::Page {
+                page: i64::from(page),
+                buffer: b,
+                len: buf_len,
+            };
+            let src = base.checked_add(off).ok_or_else(bad)?;
+            let dst = block.checked_add(at).ok_or_else(bad)?;
+            match ops.last_mut() {
+                Some(l)
+                    if l.src.checked_add(l.len) == Some(src)
+                        && l.dst.checked_add(l.len) == Some(dst) =>
+                {
+                    l.len += len;
+                }
+                _ => ops.push(kvx_core::TransferOp::new(src, dst, len)),
+            }
+            at += len;
+        }
+    }
+    Ok(Some(ops))
+}
+
 /// Scatters a block produced by [`gather`] (with the same buffer count and page count) into
 /// the slice of `pages` of every buffer in `bufs`; returns the bytes consumed.
 pub fn scatter<B: AsMut<[u8]>>(
@@ -283,6 +335,60 @@ mod tests {
         assert_eq!(spec.block_len(usize::MAX, 2), usize::MAX);
     }
 
+    /// Applies `ops` with `bufs[b]` at address `b << 32` and the block at `1 << 40`.
+    fn apply(ops: &[kvx_core::TransferOp], bufs: &[Vec<u8>], block: &mut [u8]) {
+        for op in ops {
+            let (b, off) = ((op.src >> 32) as usize, (op.src & 0xffff_ffff) as usize);
+            let at = (op.dst - (1 << 40)) as usize;
+            let n = op.len as usize;
+            block[at..at + n].copy_from_slice(&bufs[b][off..off + n]);
+        }
+    }
+
+    #[test]
+    fn gather_writes_assemble_the_block_gather_makes() {
+        // 3 buffers, page size 2, 2 heads of 4 bytes: the whole slot (a prefill's every head).
+        let spec = SliceSpec {
+            page_size: 2,
+            bytes_per_head_token: 4,
+            item_len: 16,
+            head: 0,
+            n_heads: 2,
+        };
+        let bufs: Vec<Vec<u8>> = (0..3u8)
+            .map(|b| {
+                (0..96u8)
+                    .map(|i| b.wrapping_mul(100).wrapping_add(i))
+                    .collect()
+            })
+            .collect();
+        let addrs: Vec<(u64, usize)> = (0..3).map(|b| ((b as u64) << 32, 96)).collect();
+        let pages = [4, 5, 1, 2, 3];
+        let mut want = vec![0u8; spec.block_len(3, pages.len())];
+        gather(&spec, &bufs, &pages, &mut want).unwrap();
+        let ops = gather_writes(&spec, &addrs, &pages, 1 << 40)
+            .unwrap()
+            .unwrap();
+        // Pages 4,5 and 1,2,3 are runs in every buffer (adjacent in the block too): 2 per buffer.
+        assert_eq!(ops.len(), 6);
+        assert_eq!(ops[0], kvx_core::TransferOp::new(4 * 16, 1 << 40, 32));
+        let mut got = vec![0u8; want.len()];
+        apply(&ops, &bufs, &mut got);
+        assert_eq!(got, want);
+        // A subset of the heads cuts token slots: gathered on the CPU instead.
+        let part = SliceSpec { n_heads: 1, ..spec };
+        assert_eq!(gather_writes(&part, &addrs, &pages, 1 << 40), Ok(None));
+        // Pages are checked as the copies check them.
+        assert!(matches!(
+            gather_writes(&spec, &addrs, &[6], 1 << 40),
+            Err(CopyError::Page { page: 6, .. })
+        ));
+        assert!(matches!(
+            gather_writes(&spec, &addrs, &[-1], 1 << 40),
+            Err(CopyError::Page { page: -1, .. })
+        ));
+    }
+
     fn edge() -> impl proptest::strategy::Strategy<Value = usize> {
         use proptest::prelude::*;
         prop_oneof![0usize..=64, Just(usize::MAX), (usize::MAX / 4)..=usize::MAX]
@@ -309,6 +415,40 @@ mod tests {
             if let Ok(n) = scatter(&spec, &block, &mut dst, &pages) {
                 proptest::prop_assert_eq!(n, spec.block_len(2, pages.len()));
             }
+            let addrs = [(0u64, 256usize), (1 << 32, 256)];
+            if let Ok(Some(ops)) = gather_writes(&spec, &addrs, &pages, 1 << 40) {
+                let total: u64 = ops.iter().map(|o| o.len).sum();
+                proptest::prop_assert_eq!(total as usize, spec.block_len(2, pages.len()));
+            }
+        }
+
+        /// Whole-slot slices: the writes build exactly the block `gather` builds.
+        #[test]
+        fn gather_writes_match_gather(
+            page_size in 1usize..5,
+            heads in 1usize..4,
+            bph in 1usize..5,
+            buffers in 1usize..4,
+            pages in proptest::collection::vec(0i32..6, 0..8),
+        ) {
+            let spec = SliceSpec {
+                page_size,
+                bytes_per_head_token: bph,
+                item_len: page_size * heads * bph,
+                head: 0,
+                n_heads: heads,
+            };
+            let len = 6 * spec.item_len;
+            let bufs: Vec<Vec<u8>> = (0..buffers)
+                .map(|b| (0..len).map(|i| (b * 31 + i * 7) as u8).collect())
+                .collect();
+            let addrs: Vec<(u64, usize)> = (0..buffers).map(|b| ((b as u64) << 32, len)).collect();
+            let mut want = vec![0u8; spec.block_len(buffers, pages.len())];
+            gather(&spec, &bufs, &pages, &mut want).unwrap();
+            let ops = gather_writes(&spec, &addrs, &pages, 1 << 40).unwrap().unwrap();
+            let mut got = vec![0u8; want.len()];
+            apply(&ops, &bufs, &mut got);
+            proptest::prop_assert_eq!(got, want);
         }
     }
 }

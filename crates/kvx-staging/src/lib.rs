@@ -78,7 +78,7 @@ pub mod msg;
 pub mod prefill;
 pub mod ring;
 
-pub use copy::{CopyError, SliceSpec, gather, scatter};
+pub use copy::{CopyError, SliceSpec, gather, gather_writes, scatter};
 pub use decode::{DecodeAction, DecodeError, DecodeRoom, DecodeStaging, ScatterJob};
 pub use grid::{ChunkGrid, RoomGrid};
 pub use heads::{GeometryError, HeadSlice, StagedLayout, TpGeometry, Writer};

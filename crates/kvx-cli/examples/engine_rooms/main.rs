@@ -503,8 +503,10 @@ fn main() -> Result<()> {
     // near the memory the caller registered (both engines live in this one process).
     let peak = peak_rss_bytes();
     if let Some(peak) = peak {
+        // Registered memory never touched (an unused staging buffer) is not resident: the
+        // difference may be negative.
         println!(
-            "memory: peak RSS {:.0} MiB = registered {:.0} MiB + {:.0} MiB",
+            "memory: peak RSS {:.0} MiB, registered {:.0} MiB (RSS - registered: {:+.0} MiB)",
             peak as f64 / (1 << 20) as f64,
             registered as f64 / (1 << 20) as f64,
             (peak as f64 - registered as f64) / (1 << 20) as f64
