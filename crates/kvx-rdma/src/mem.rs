@@ -393,6 +393,50 @@ impl RegionTable {
         })
     }
 
+    /// [`RegionTable::lease_keyed`] (or, for an empty write, [`RegionTable::check_keyed`]) for
+    /// every write of one frame under a single look at the table: one read lock, one key lookup
+    /// per run of writes to the same region, one hold per region. `f` gets each write's result
+    /// in order. The frame is checked against one state of the table, so a deregistration
+    /// either comes before all of it or waits for the frame's leases.
+    pub fn lease_keyed_frame(
+        &self,
+        rx: &Receiver,
+        writes: impl Iterator<Item = (RegionKey, u64, u64)>,
+        mut f: impl FnMut(Result<Span, RejectReason>),
+    ) {
+        let g = self.read();
+        // The region of the previous write, once it is held.
+        let mut last: Option<(u32, &Entry, bool)> = None;
+        for (key, addr, len) in writes {
+            let e = match last {
+                Some((k, e, _)) if k == key.0 => Some(e),
+                _ => g.by_key.get(&key.0),
+            };
+            let Some(e) = e else {
+                f(Err(RejectReason::BadKey));
+                continue;
+            };
+            let held = matches!(last, Some((k, _, true)) if k == key.0);
+            last = Some((key.0, e, held));
+            if len > 0 && g.closed {
+                f(Err(RejectReason::BadKey));
+                continue;
+            }
+            if !e.desc.contains(addr, len) {
+                f(Err(RejectReason::OutOfBounds));
+                continue;
+            }
+            if len > 0 && !held {
+                Self::hold(rx, &e.lease);
+                last = Some((key.0, e, true));
+            }
+            f(Ok(Span {
+                addr,
+                len: len as usize,
+            }));
+        }
+    }
+
     /// [`RegionTable::resolve`], and `rx` leases the region until it releases.
     pub fn lease_range(&self, rx: &Receiver, addr: u64, len: u64) -> Result<Span, TransportError> {
         let mut out = None;
@@ -779,6 +823,56 @@ mod tests {
         h.join().unwrap();
         assert!(t.is_closed());
         assert!(t.lease_range(&late, 0x4000, 1).is_err());
+    }
+
+    /// One frame's writes, checked in one go, give what one `lease_keyed` (or `check_keyed`
+    /// for an empty write) per write gives, and hold each region used once.
+    #[test]
+    fn a_frame_is_leased_as_its_writes_one_by_one() {
+        let t = Arc::new(RegionTable::new());
+        let a = t.insert(0x1000, 0x1000).unwrap();
+        let b = t.insert(0x4000, 0x100).unwrap();
+        let bad = RegionKey(999);
+        let writes = [
+            (a, 0x1000, 0x10),
+            (a, 0x1ff0, 0x20),
+            (b, 0x4000, 0x100),
+            (b, 0x4000, 0),
+            (bad, 0x1000, 1),
+            (a, 0x1010, 0x10),
+            (a, 0x2000, 0),
+        ];
+        let one = t.receiver(Arc::new(NoInterrupt));
+        let want: Vec<_> = writes
+            .iter()
+            .map(|&(k, addr, len)| {
+                if len == 0 {
+                    t.check_keyed(k, addr, len)
+                } else {
+                    t.lease_keyed(&one, k, addr, len)
+                }
+            })
+            .collect();
+        let rx = t.receiver(Arc::new(NoInterrupt));
+        let mut got = Vec::new();
+        t.lease_keyed_frame(&rx, writes.iter().copied(), |r| got.push(r));
+        assert_eq!(got, want);
+        assert_eq!(got[1], Err(RejectReason::OutOfBounds));
+        assert_eq!(got[4], Err(RejectReason::BadKey));
+        // Both regions held by the frame's receiver, each once.
+        assert_eq!(lock(&rx.shared.held).len(), 2);
+        rx.release();
+        one.release();
+        assert!(!rx.holds_any());
+        // A closed table grants no lease (an empty write is still only checked).
+        t.close_receive();
+        let mut got = Vec::new();
+        t.lease_keyed_frame(&rx, [(a, 0x1000, 1), (a, 0x1000, 0)].into_iter(), |r| {
+            got.push(r)
+        });
+        assert_eq!(got[0], Err(RejectReason::BadKey));
+        assert!(got[1].is_ok());
+        assert!(!rx.holds_any());
     }
 
     /// Every part's bytes arrive in order, whatever the partial writes and skips: more parts

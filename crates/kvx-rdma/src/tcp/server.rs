@@ -513,8 +513,13 @@ fn check_write(ctx: &ServerCtx, rx: &Receiver, win: &mut Window, e: Entry) -> Op
     } else {
         ctx.table.lease_keyed(rx, e.key, e.addr, e.len)
     };
+    Some(target(win, e, checked))
+}
+
+/// The receive target of a checked write; a rejected one is logged, counted and drained.
+fn target(win: &mut Window, e: Entry, checked: Result<mem::Span, RejectReason>) -> RecvTarget {
     match checked {
-        Ok(span) => Some(RecvTarget::Mem(span)),
+        Ok(span) => RecvTarget::Mem(span),
         Err(reason) => {
             // One warning per window (the rest are counted and logged at debug level).
             if win.first.is_none() {
@@ -523,20 +528,21 @@ fn check_write(ctx: &ServerCtx, rx: &Receiver, win: &mut Window, e: Entry) -> Op
                 tracing::debug!(key = %e.key, addr = e.addr, len = e.len, %reason, "rejected write");
             }
             win.reject(reason, e.addr);
-            Some(RecvTarget::Discard(e.len))
+            RecvTarget::Discard(e.len)
         }
     }
 }
 
 /// Turns the entries of a vectored write into receive targets (checked before any payload
-/// byte is read).
+/// byte is read): every entry is decoded and its length checked, then the whole frame is
+/// leased under one look at the region table.
 fn entries_to_payload(
     buf: &[u8],
     ctx: &ServerCtx,
     rx: &Receiver,
     win: &mut Window,
 ) -> io::Result<State> {
-    let mut targets = Vec::with_capacity(buf.len() / ENTRY_LEN);
+    let mut entries = Vec::with_capacity(buf.len() / ENTRY_LEN);
     for raw in buf.chunks_exact(ENTRY_LEN) {
         let e = match Entry::decode(raw) {
             Ok(e) => e,
@@ -545,16 +551,26 @@ fn entries_to_payload(
                 return Err(proto_err("malformed vectored-write entry"));
             }
         };
-        match check_write(ctx, rx, win, e) {
-            Some(t) => targets.push(t),
-            None => {
-                return Err(proto_err(format!(
-                    "write of {} bytes exceeds the limit",
-                    e.len
-                )));
-            }
+        if e.len > u64::from(ctx.max_write_len) {
+            win.reject_fatal(RejectReason::TooLong, e.addr);
+            return Err(proto_err(format!(
+                "write of {} bytes exceeds the limit",
+                e.len
+            )));
         }
+        entries.push(e);
     }
+    let mut targets = Vec::with_capacity(entries.len());
+    let mut next = entries.iter();
+    ctx.table.lease_keyed_frame(
+        rx,
+        entries.iter().map(|e| (e.key, e.addr, e.len)),
+        |checked| {
+            if let Some(&e) = next.next() {
+                targets.push(target(win, e, checked));
+            }
+        },
+    );
     let idx = targets.iter().take_while(|t| t.is_empty()).count();
     Ok(State::Payload {
         targets,
