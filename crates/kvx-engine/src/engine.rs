@@ -340,6 +340,8 @@ pub struct PrefillEngine {
     drain: Mutex<Option<String>>,
     /// Bytes of the staging buffers this engine allocated and registered.
     own_bytes: u64,
+    /// Time with at least one batch in flight (shared with the workers).
+    busy: Arc<crate::busy::BusyClock>,
 }
 
 /// How long [`PrefillEngine::shutdown`] waits for its threads beyond the data-plane timeout (a
@@ -444,12 +446,14 @@ impl PrefillEngine {
             senders.push(tx);
             queues.push(Arc::new(Mutex::new(rx)));
         }
+        let busy = Arc::new(crate::busy::BusyClock::default());
         let workers = Arc::new(WorkerCtx {
             mem: mem.clone(),
             plane,
             rt,
             stage_bufs,
             stop: stop.clone(),
+            busy: busy.clone(),
             dead_sessions: Mutex::new(std::collections::HashMap::new()),
         });
         let core = PrefillCore::new(
@@ -492,6 +496,7 @@ impl PrefillEngine {
         tracing::info!(%endpoint, "prefill rank inbox bound");
         Ok(PrefillEngine {
             own_bytes,
+            busy,
             threads: Arc::downgrade(&workers),
             inputs: inputs_tx,
             view,
@@ -507,6 +512,14 @@ impl PrefillEngine {
     /// The inbox endpoint decodes send to (what PUT /route advertises).
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
+    }
+
+    /// How long this rank had at least one batch on the data plane since it started (the union
+    /// over its transfer workers, from posting a batch to awaiting its completion; also the
+    /// gauge `kvx_prefill_transfer_busy_seconds`). Bytes moved over this time is the rank's
+    /// transfer throughput without the forward pass, queueing or idle time.
+    pub fn transfer_busy(&self) -> Duration {
+        self.busy.total()
     }
 
     /// Bytes of memory the engine allocated and registered itself (its staging buffers, one

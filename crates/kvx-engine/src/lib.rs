@@ -84,6 +84,7 @@
 
 #![warn(missing_docs)]
 
+mod busy;
 pub mod decode;
 pub mod decode_staging;
 pub mod engine;

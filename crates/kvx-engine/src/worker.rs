@@ -33,6 +33,7 @@ use kvx_core::prefill::BatchId;
 use kvx_core::{Room, SessionId, TransferOp};
 use kvx_rdma::{BatchReport, BoxFuture, Session, TransportError};
 
+use crate::busy::{Busy, BusyClock};
 use crate::engine::PrefillMemory;
 use crate::fault::WorkerFault;
 use crate::plane::DataPlane;
@@ -114,6 +115,8 @@ pub(crate) struct WorkerCtx {
     /// One registered staging buffer per transfer queue (gather target of its worker).
     pub(crate) stage_bufs: Vec<Arc<Region>>,
     pub(crate) stop: Arc<AtomicBool>,
+    /// Time with at least one batch of the rank in flight.
+    pub(crate) busy: Arc<BusyClock>,
     /// Decode sessions a worker found dead, until when: the jobs queued behind the failed one
     /// fail at once, without a connect attempt each, before the loop has even seen the failure
     /// (all jobs of a session share one queue). The loop clears a mark when the session
@@ -172,6 +175,8 @@ struct Writing {
     fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
     /// When it was posted (`kvx_batch_latency_seconds`).
     t0: Instant,
+    /// Runs the rank's transfer busy clock until the completion was awaited.
+    _busy: Busy,
 }
 
 /// What starting a job came to.
@@ -462,6 +467,7 @@ fn start(
             }
         },
     };
+    let busy = ctx.busy.enter();
     let t0 = Instant::now();
     let mut fut = s.write_batch(ops);
     // The first poll posts the batch (queues its windows, or sends a small one from this
@@ -471,7 +477,11 @@ fn start(
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         fut.as_mut().poll(&mut cx)
     };
-    let w = Writing { fut, t0 };
+    let w = Writing {
+        fut,
+        t0,
+        _busy: busy,
+    };
     Ok(match first {
         std::task::Poll::Ready(r) => Started::Done(completed(ctx, sessions, job, &w, r)),
         std::task::Poll::Pending => Started::Writing(w),
