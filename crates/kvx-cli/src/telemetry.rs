@@ -196,6 +196,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Transfer batch latency: posted to completed",
     ),
     (
+        "kvx_prefill_transfer_busy_seconds",
+        Kind::Gauge,
+        "Seconds this rank had at least one transfer batch in flight (its rate: data-plane utilisation)",
+    ),
+    (
         "kvx_batches_skipped_total",
         Kind::Counter,
         "Transfer batches not posted, by reason",
