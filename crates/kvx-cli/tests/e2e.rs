@@ -247,6 +247,7 @@ fn demo_runs_heterogeneous_tp_through_staging() {
         std::process::Command::new(KVX)
             .args(["demo", "--model", "llama3-8b", "--pool-pages", "64"])
             .args(["--tp-size", "2", "--decode-tp", "1", "--staging"])
+            // 64-token chunks: 8 MiB, which the decode scatters on several threads.
             .args(["--chunked-prefill-size", "64", "--staging-ring-mib", "16"])
             .args(["--rooms", "4", "--prompt-tokens", "256"])
             .arg("--summary-json")

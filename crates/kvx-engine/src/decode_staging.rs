@@ -59,6 +59,12 @@ impl StagingError {
     }
 }
 
+/// Most threads one chunk's scatter uses.
+pub const SCATTER_THREADS: usize = 4;
+/// Chunks at least this large (all writers' blocks) are scattered on several threads (kvx-cli's
+/// `demo_runs_heterogeneous_tp_through_staging` sends chunks of exactly this size).
+const PARALLEL_SCATTER_BYTES: usize = 8 << 20;
+
 struct Inner {
     state: DecodeStaging<Endpoint>,
     /// Per staged room: its destination pages and chunk layout.
@@ -178,7 +184,9 @@ impl DecodeStager {
     }
 
     /// Copies every writer's block of a chunk from the ring into the room's pages, one page of
-    /// one buffer at a time (only the room's own pages are borrowed).
+    /// one buffer at a time (only the room's own pages are borrowed). A large chunk is split by
+    /// KV buffer over up to [`SCATTER_THREADS`] threads (distinct buffers are distinct memory):
+    /// the last chunk's scatter is on the room's critical path.
     fn scatter(
         &self,
         job: &ScatterJob,
@@ -192,9 +200,17 @@ impl DecodeStager {
             .checked_add(n)
             .and_then(|end| pages.get(start..end))
             .ok_or_else(|| StagingError::Geometry("chunk pages beyond the room".into()))?;
+        let chunk_pages = chunk_pages
+            .iter()
+            .map(|&p| {
+                u64::try_from(p).map_err(|_| StagingError::Geometry(format!("negative page {p}")))
+            })
+            .collect::<Result<Vec<u64>, _>>()?;
         let usize_of = |v: u64| {
             usize::try_from(v).map_err(|_| StagingError::Geometry("size overflows".into()))
         };
+        // Every writer's slice and block, checked before any byte moves.
+        let mut writers = Vec::with_capacity(layout.writers.len());
         for (w, wr) in layout.writers.iter().enumerate() {
             let spec = SliceSpec {
                 page_size: usize_of(l.page_size)?,
@@ -213,9 +229,9 @@ impl DecodeStager {
             // page faults) per chunk and writer.
             // SAFETY: every prefill writer of this chunk reported CHUNK_READY, so its data-plane
             // write into this ring region is complete, and the state machine hands the region
-            // out again only after `on_scatter_done` (below, after this view is dropped).
+            // out again only after `on_scatter_done` (after `scatter` returned and this view is
+            // gone).
             let block = unsafe { self.ring.view(self.ring.base().saturating_add(off), len) }?;
-            let page_bytes = spec.block_len(1, 1);
             if spec.block_len(l.num_buffers, n) != block.len() {
                 return Err(StagingError::Geometry(format!(
                     "writer block of {} bytes for {n} pages of {} buffers",
@@ -223,26 +239,60 @@ impl DecodeStager {
                     l.num_buffers
                 )));
             }
-            for b in 0..l.num_buffers {
+            writers.push((spec, block));
+        }
+        let scatter_buffers = |buffers: std::ops::Range<usize>| -> Result<(), StagingError> {
+            for b in buffers {
                 let base = l.buffer_addr(self.kv.base(), b);
-                for (i, &page) in chunk_pages.iter().enumerate() {
-                    let page = u64::try_from(page)
-                        .map_err(|_| StagingError::Geometry(format!("negative page {page}")))?;
-                    let addr = base.saturating_add(page.saturating_mul(l.item_len));
-                    let at = (b * n + i) * page_bytes;
-                    let src = &block[at..at + page_bytes];
-                    // SAFETY: the room's pages are written here only: every prefill writer of
-                    // this chunk reported CHUNK_READY (its data-plane write into the ring is
-                    // done), and no prefill writes KV pages of a staged room directly.
-                    unsafe {
-                        self.kv.with_mut(addr, l.item_len, |dst| {
-                            kvx_staging::scatter(&spec, src, &mut [dst], &[0])
-                        })
-                    }??;
+                for (spec, block) in &writers {
+                    let page_bytes = spec.block_len(1, 1);
+                    for (i, &page) in chunk_pages.iter().enumerate() {
+                        let addr = base.saturating_add(page.saturating_mul(l.item_len));
+                        let at = (b * n + i) * page_bytes;
+                        let src = &block[at..at + page_bytes];
+                        // SAFETY: the room's pages are written here only: every prefill writer
+                        // of this chunk reported CHUNK_READY (its data-plane write into the ring
+                        // is done), no prefill writes KV pages of a staged room directly, and
+                        // each scatter thread owns distinct buffers.
+                        unsafe {
+                            self.kv.with_mut(addr, l.item_len, |dst| {
+                                kvx_staging::scatter(spec, src, &mut [dst], &[0])
+                            })
+                        }??;
+                    }
                 }
             }
+            Ok(())
+        };
+        let bytes: usize = writers.iter().map(|(_, b)| b.len()).sum();
+        let threads = if bytes >= PARALLEL_SCATTER_BYTES {
+            std::thread::available_parallelism()
+                .map_or(1, |p| p.get())
+                .clamp(1, SCATTER_THREADS)
+                .min(l.num_buffers.max(1))
+        } else {
+            1
+        };
+        if threads <= 1 {
+            return scatter_buffers(0..l.num_buffers);
         }
-        Ok(())
+        let per = l.num_buffers.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let parts: Vec<_> = (1..threads)
+                .map(|t| {
+                    let range = (t * per).min(l.num_buffers)..((t + 1) * per).min(l.num_buffers);
+                    scope.spawn(|| scatter_buffers(range))
+                })
+                .collect();
+            let mut r = scatter_buffers(0..per.min(l.num_buffers));
+            for p in parts {
+                let done = p.join().unwrap_or_else(|_| {
+                    Err(StagingError::Geometry("scatter thread panicked".into()))
+                });
+                r = r.and(done);
+            }
+            r
+        })
     }
 
     /// The room concluded: on success its regions are freed; on failure those a prefill may
