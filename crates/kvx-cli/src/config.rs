@@ -204,7 +204,8 @@ pub struct PrefillArgs {
     /// Serve /metrics on this port (when not serving the bootstrap server).
     #[arg(long)]
     pub metrics_port: Option<u16>,
-    /// Transfer queues (= worker threads); chunks of a room stay on one queue, in order.
+    /// Transfer queues (= worker threads); chunks of a room stay on one queue, in order, and one
+    /// decode's rooms spread over all of them.
     #[arg(
         long,
         env = "SGLANG_DISAGGREGATION_QUEUE_SIZE",

@@ -580,7 +580,7 @@ impl PrefillCore {
             .or_else(|| self.fatal.as_ref().map(|e| e.to_string()))
     }
 
-    /// Queues a job on its session's shard (completing it unsent when that shard's worker is
+    /// Queues a job on its room's shard (completing it unsent when that shard's worker is
     /// dead).
     fn post(
         &mut self,
@@ -590,7 +590,7 @@ impl PrefillCore {
         work: Work,
         out: &mut Vec<Output>,
     ) {
-        let shard = self.shard_of(&session);
+        let shard = self.shard_of(&session, room);
         let cancel = self.cancel.entry(room).or_default().clone();
         let job = Job {
             room,
@@ -606,9 +606,12 @@ impl PrefillCore {
         out.push(Output::Post { shard, job });
     }
 
-    /// The transfer queue of a decode session: all chunks of a room stay on one queue, in order.
-    fn shard_of(&self, session: &SessionId) -> usize {
-        (session.port().unwrap_or(0) % self.cfg.queues.max(1) as u64) as usize
+    /// The transfer queue of a room's jobs towards a decode session: every chunk of a room stays
+    /// on one queue, in order, and one decode's rooms spread over every queue (sglang keys the
+    /// queue by session alone, so one decode's rooms all wait on one worker).
+    fn shard_of(&self, session: &SessionId, room: Room) -> usize {
+        let key = session.port().unwrap_or(0).wrapping_add(room.get());
+        (key % self.cfg.queues.max(1) as u64) as usize
     }
 
     /// Sets a room's cancel flag: its queued jobs are skipped.

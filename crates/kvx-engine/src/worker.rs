@@ -117,10 +117,9 @@ pub(crate) struct WorkerCtx {
     pub(crate) stop: Arc<AtomicBool>,
     /// Time with at least one batch of the rank in flight.
     pub(crate) busy: Arc<BusyClock>,
-    /// Decode sessions a worker found dead, until when: the jobs queued behind the failed one
-    /// fail at once, without a connect attempt each, before the loop has even seen the failure
-    /// (all jobs of a session share one queue). The loop clears a mark when the session
-    /// registers again.
+    /// Decode sessions a worker found dead, until when: the session's jobs queued on any worker
+    /// behind the failed one fail at once, without a connect attempt each, before the loop has
+    /// even seen the failure. The loop clears a mark when the session registers again.
     pub(crate) dead_sessions: Mutex<HashMap<SessionId, Instant>>,
 }
 
