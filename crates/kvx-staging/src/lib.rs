@@ -14,7 +14,9 @@
 //! - [`grid`]: the chunk grid both sides cut from the decode prefix;
 //! - [`heads`]: TP geometry (which heads go where) and the writers' layout of a chunk region
 //!   (TP writers, prefill pipeline stages, the write ops of a block);
-//! - [`copy`]: gather and scatter on host memory; [`host`]: a checked op executor for tests;
+//! - [`copy`]: gather and scatter on host memory, and the gather as page-run writes when the
+//!   slice is whole token slots ([`gather_writes`]: no CPU copy); [`host`]: a checked op
+//!   executor for tests;
 //! - [`msg`]: plain forms of `STAGING_REQ`, `STAGING_RSP`, `WATERMARK`, `CHUNK_READY`.
 //!
 //! ```
