@@ -244,7 +244,8 @@ pub struct EngineRow {
     pub tokens: u64,
     /// The run.
     pub run: EngineRun,
-    /// The link test moving the same bytes in the same run, GB/s.
+    /// The link test moving the same bytes just before and just after the row (their mean),
+    /// GB/s.
     pub link_gbps: Option<f64>,
 }
 
@@ -276,8 +277,9 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
          verified bytes over the summed wall times (the engine throughput) or window times. \
          Each prefill rank has 2 data connections to the decode; beside each row, the link \
          test (`kvx send --connections 2` into `kvx recv`, 1 MiB writes) moves the same bytes \
-         in the same run; ratio = engine GB/s / link GB/s (head slices: 2 ranks, so 4 \
-         connections in all against the link test's 2). Rerun with \
+         just before and just after the engine run (link GB/s: their mean, so that the host's \
+         drift during the row counts on both sides); ratio = engine GB/s / link GB/s (TP 2: \
+         2 ranks, so 4 connections in all against the link test's 2). Rerun with \
          `KVX_E2E_PARTS=engine cargo xtask bench e2e`.",
     );
     let table: Vec<Vec<String>> = rows
