@@ -277,14 +277,22 @@ impl DecodeStager {
             return scatter_buffers(0..l.num_buffers);
         }
         let per = l.num_buffers.div_ceil(threads);
+        let range = |t: usize| (t * per).min(l.num_buffers)..((t + 1) * per).min(l.num_buffers);
+        let (scatter_buffers, range) = (&scatter_buffers, &range);
         std::thread::scope(|scope| {
-            let parts: Vec<_> = (1..threads)
-                .map(|t| {
-                    let range = (t * per).min(l.num_buffers)..((t + 1) * per).min(l.num_buffers);
-                    scope.spawn(|| scatter_buffers(range))
-                })
-                .collect();
-            let mut r = scatter_buffers(0..per.min(l.num_buffers));
+            let mut r = Ok(());
+            let mut parts = Vec::new();
+            for t in 1..threads {
+                let spawned = std::thread::Builder::new()
+                    .name("kvx-scatter".into())
+                    .spawn_scoped(scope, move || scatter_buffers(range(t)));
+                match spawned {
+                    Ok(h) => parts.push(h),
+                    // No thread to be had: this one does that share too.
+                    Err(_) => r = r.and(scatter_buffers(range(t))),
+                }
+            }
+            r = r.and(scatter_buffers(range(0)));
             for p in parts {
                 let done = p.join().unwrap_or_else(|_| {
                     Err(StagingError::Geometry("scatter thread panicked".into()))
