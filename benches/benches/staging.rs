@@ -16,7 +16,10 @@
 //! three copies where the head-slice path does one, so memcpy bandwidth favours the head-slice
 //! path there. Group `…_tcp`: the same room with every write op sent through kvx-rdma's `tcp`
 //! backend over loopback (both prefill ranks' batches in flight at once; staging pipelined two
-//! chunks deep: gather and scatter overlap the writes), which is where the op count matters. Every variant is checked byte for byte against the host head-slice result
+//! chunks deep: gather and scatter overlap the writes), which is where the op count matters;
+//! `staging_page_writes` skips the CPU gather and writes each chunk's block from the KV pages as
+//! page runs (`kvx_staging::gather_writes`, what kvx-engine does when a prefill rank sends all
+//! its heads). Every variant is checked byte for byte against the host head-slice result
 //! before timing.
 use std::hint::black_box;
 
@@ -27,7 +30,9 @@ use kvx_core::TransferOp;
 use kvx_core::layout::{Buffer, KvLayout};
 use kvx_core::planner::{HeadSliceParams, plan_kv_head_slice};
 use kvx_rdma::{Session, TcpConfig, TcpTransport, Transport};
-use kvx_staging::{HostMemory, SliceSpec, StagedLayout, StagingRing, TpGeometry, gather, scatter};
+use kvx_staging::{
+    HostMemory, SliceSpec, StagedLayout, StagingRing, TpGeometry, gather, gather_writes, scatter,
+};
 use tokio::runtime::Runtime;
 
 const LAYERS: u32 = 32;
@@ -366,8 +371,10 @@ impl NetRoom {
     }
 
     /// Staged path, two-deep pipeline: gather chunk k and post its writes, then (while they are
-    /// on the wire) wait for chunk k-1, scatter it and free its ring region.
-    fn staged(&mut self) -> u64 {
+    /// on the wire) wait for chunk k-1, scatter it and free its ring region. `direct`: no CPU
+    /// gather, the block is written from the KV pages as page runs (`gather_writes`, what the
+    /// engine does when a prefill rank sends all its heads, as here).
+    fn staged(&mut self, direct: bool) -> u64 {
         let lay = StagedLayout::for_decode(&self.geom, 0, LAYERS, BPH, PAGE);
         let src_item = src_item(&self.geom) as usize;
         let ring_base = self.ring.as_ptr() as u64;
@@ -389,6 +396,19 @@ impl NetRoom {
                 let w = self.geom.writer_index(p) as usize;
                 let slice = self.geom.slice(p, 0);
                 let spec = slice_spec(src_item, slice.src_head, slice.n_heads);
+                let dst = ring_base + pl.offset + lay.writer_offset(w, n);
+                if direct {
+                    let bufs: Vec<(u64, usize)> = self.prefill_kv[p as usize]
+                        .iter()
+                        .map(|b| (b.as_ptr() as u64, b.len()))
+                        .collect();
+                    let ops = gather_writes(&spec, &bufs, &self.src_pages[s..e], dst)
+                        .unwrap_or_else(|e| panic!("{e}"))
+                        .unwrap_or_else(|| panic!("TP 2 -> 1 slices are whole token slots"));
+                    writes += ops.len() as u64;
+                    batches.push(ops);
+                    continue;
+                }
                 let out = &mut self.staging[2 * p as usize + k % 2];
                 let len = gather(
                     &spec,
@@ -397,7 +417,6 @@ impl NetRoom {
                     out,
                 )
                 .unwrap_or_else(|e| panic!("{e}"));
-                let dst = ring_base + pl.offset + lay.writer_offset(w, n);
                 batches.push(vec![TransferOp::new(out.as_ptr() as u64, dst, len as u64)]);
                 writes += 1;
             }
@@ -469,13 +488,23 @@ fn bench(c: &mut Criterion) {
     assert_eq!(net.head_slice(), ops_head_slice);
     assert!(net.decode_kv == want, "tcp head-slice result differs");
     net.reset_decode();
-    assert_eq!(net.staged(), ops_staged);
+    assert_eq!(net.staged(false), ops_staged);
     assert!(net.decode_kv == want, "tcp staged result differs");
+    net.reset_decode();
+    let ops_direct = net.staged(true);
+    assert!(
+        net.decode_kv == want,
+        "tcp staged (page-run writes) result differs"
+    );
+    println!("staging_room: page-run writes {ops_direct} (no CPU gather)");
     let mut g = c.benchmark_group("staging_room_tp2_to_tp1_1k_tokens_tcp");
     g.sample_size(10);
     g.throughput(Throughput::Bytes(kv_bytes));
     g.bench_function("head_slice", |b| b.iter(|| black_box(net.head_slice())));
-    g.bench_function("staging", |b| b.iter(|| black_box(net.staged())));
+    g.bench_function("staging", |b| b.iter(|| black_box(net.staged(false))));
+    g.bench_function("staging_page_writes", |b| {
+        b.iter(|| black_box(net.staged(true)))
+    });
     g.finish();
 }
 
