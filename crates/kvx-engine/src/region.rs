@@ -132,9 +132,9 @@ impl Region {
 
     /// Faults every page of a region this process allocated ([`Region::new`],
     /// [`Region::new_shm`]) in now, contents unchanged, as registering memory with an RDMA
-    /// device pins it: the first room through an engine's own staging buffers or ring then
-    /// does not pay a page fault per 4 KiB on the data path, and the process's resident set
-    /// shows the memory it registered. Caller memory is left alone (its owner decides). An
+    /// device pins it: the first rooms through memory an engine allocated for itself (the
+    /// decode's staging ring) then do not pay a page fault per 4 KiB on the data path, and the
+    /// process's resident set shows the memory it registered. Caller memory is left alone (its owner decides). An
     /// error (a kernel older than Linux 5.14, no memory) leaves the pages to fault lazily,
     /// which is slower but correct.
     pub fn populate(&self) -> std::io::Result<()> {

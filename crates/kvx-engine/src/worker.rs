@@ -14,8 +14,7 @@
 //! [`Outcome::Skipped`] without a write. A staged chunk ([`Work::Stage`]) whose slice is this
 //! rank's every head is written page by page from the KV pages to its place in the decode's
 //! ring; one that cuts token slots is first gathered into the worker's registered staging buffer
-//! and written with one op; the
-//! loop sends its `CHUNK_READY`. A fatal fault — a panic, an injected fault — ends the worker:
+//! and written with one op; the loop sends its `CHUNK_READY`. A fatal fault — a panic, an injected fault — ends the worker:
 //! it first waits for the other batches it has posted (each reported as usual), then reports the
 //! job it died on and the fault in one [`Report::Died`], after which nothing more of that job can
 //! be written by this thread. The loop turns it into
