@@ -198,7 +198,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     (
         "kvx_prefill_transfer_busy_seconds",
         Kind::Gauge,
-        "Seconds this rank had at least one transfer batch in flight (its rate: data-plane utilisation)",
+        "Seconds a prefill rank had at least one transfer batch in flight, summed over the process's ranks (its rate: data-plane utilisation)",
     ),
     (
         "kvx_batches_skipped_total",

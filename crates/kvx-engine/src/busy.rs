@@ -49,8 +49,10 @@ impl BusyClock {
         if s.in_flight == 0
             && let Some(t) = s.since.take()
         {
-            s.total += now.saturating_duration_since(t);
-            metrics::gauge!("kvx_prefill_transfer_busy_seconds").set(s.total.as_secs_f64());
+            let span = now.saturating_duration_since(t);
+            s.total += span;
+            // Added, not set: a process with several ranks (the demo) reports their sum.
+            metrics::gauge!("kvx_prefill_transfer_busy_seconds").increment(span.as_secs_f64());
         }
     }
 
