@@ -2,12 +2,12 @@
 //!
 //! `recv` registers a region with a listening transport and serves writes into it, printing
 //! what it received every `--interval` (its own figures, counted where the writes land) and the
-//! total when interrupted. `send` learns the region from the session handshake, then posts
-//! batches of `--batch` writes of `--size` bytes over `--connections` connections (one
-//! completion per batch, `--depth` batches in flight, default 2) until `--total-mib` were
-//! written or `--duration` passed, and reports GB/s and the percentiles of each batch's
-//! latency, from `write_batch` to its completion (`--depth 1 --batch 1` gives the round trip of
-//! a single write), with a line per `--interval`. `--sizes 4K,64K,1M` sweeps block sizes (one
+//! total when interrupted (SIGINT or SIGTERM; a second one exits at once). `send` learns the
+//! region from the session handshake, then posts batches of `--batch` writes of `--size` bytes
+//! over `--connections` connections (one completion per batch, `--depth` batches in flight,
+//! default 2) until `--total-mib` were written or `--duration` passed, and reports GB/s and the
+//! percentiles of each batch's latency, from `write_batch` to its completion (`--depth 1
+//! --batch 1` gives the round trip of a single write), with a line per `--interval`. `--sizes 4K,64K,1M` sweeps block sizes (one
 //! run each), and `--json` prints every figure as one JSON document. With `--backend mooncake`
 //! either side speaks Mooncake TE's protocol, so each can be tested against a real Mooncake
 //! engine.
@@ -41,6 +41,8 @@ pub fn recv(args: RecvArgs) -> Result<i32> {
         kvx_engine::plane::alloc_region(args.backend, &shm_name, "recv", args.region as usize)
             .context("allocating the receive region")?,
     );
+    // Installed once, before anything is bound: a signal is never missed between two waits.
+    let stop = crate::lifecycle::Signals::install("recv")?;
     runtime()?.block_on(async {
         let plane = match args.backend {
             Backend::Shm => DataPlane::shm_server(&shm_name, vec![region]),
@@ -63,22 +65,28 @@ pub fn recv(args: RecvArgs) -> Result<i32> {
             plane.transport().kind(),
             plane.endpoint()
         );
-        report_received(&plane, args.interval, args.json).await;
+        report_received(&plane, args.interval, args.json, &stop).await;
         drop(plane);
         anyhow::Ok(0)
     })
 }
 
-/// Prints what arrives every `interval` seconds (while bytes arrive) until Ctrl-C, then the
-/// total: bytes, and the rate over the time from the first to the last interval that saw any.
-async fn report_received(plane: &DataPlane, interval: f64, json: bool) {
+/// Prints what arrives every `interval` seconds (while bytes arrive) until `stop` (SIGINT or
+/// SIGTERM), then the total: bytes, and the rate over the time from the first to the last
+/// interval that saw any.
+async fn report_received(
+    plane: &DataPlane,
+    interval: f64,
+    json: bool,
+    stop: &crate::lifecycle::Stop,
+) {
     let t = plane.transport().clone();
     let Some(mut last) = t.bytes_received() else {
         eprintln!(
             "kvx recv: the {} backend does not count received bytes",
             t.kind()
         );
-        let _ = tokio::signal::ctrl_c().await;
+        stop.wait().await;
         return;
     };
     let start = Instant::now();
@@ -89,7 +97,7 @@ async fn report_received(plane: &DataPlane, interval: f64, json: bool) {
     let mut stopping = false;
     while !stopping {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => stopping = true,
+            _ = stop.wait() => stopping = true,
             _ = tick.tick() => {}
         }
         // On Ctrl-C the partial interval since the last line is reported too.
