@@ -98,7 +98,7 @@ use crate::memory::MemoryError;
 use crate::plane::DataPlane;
 use crate::prefill_staging::{LocalShape, StagingDriver};
 use crate::region::Region;
-use crate::worker::{self, JobQueue, WorkerCtx};
+use crate::worker::{self, JobQueue, StageBuffers, WorkerCtx};
 
 mod notifier;
 mod owner;
@@ -338,8 +338,8 @@ pub struct PrefillEngine {
     threads: std::sync::Weak<WorkerCtx>,
     /// Set by [`PrefillEngine::begin_drain`]: the reason new rooms are refused with.
     drain: Mutex<Option<String>>,
-    /// Bytes of the staging buffers this engine allocated and registered.
-    own_bytes: u64,
+    /// The transfer queues' staging buffers (allocated on first use; shared with the workers).
+    stage_bufs: Arc<StageBuffers>,
     /// Time with at least one batch in flight (shared with the workers).
     busy: Arc<crate::busy::BusyClock>,
 }
@@ -371,25 +371,23 @@ impl PrefillEngine {
         let grid = ChunkGrid::new(Some(cfg.chunked_prefill_size), page_size)
             .ok_or_else(|| EngineError::Config("page size 0".into()))?;
         // sglang's size: one full grid chunk of every local KV buffer (this rank's heads bound
-        // every slice it stages). Zeroed lazily: only a slice that cuts token slots (a decode of
-        // larger attention-TP size) is gathered here; whole slots go from the KV pages.
-        let stage_bufs: Vec<Arc<Region>> = if cfg.staging && !mem.mla {
+        // every slice it stages), per transfer queue. Allocated and registered on first use:
+        // only a slice that cuts token slots (a decode of larger attention-TP size) is gathered
+        // into one; whole slots go from the KV pages, so a rank may never need any.
+        let staging_on = cfg.staging && !mem.mla;
+        let stage_bufs = Arc::new(if staging_on {
             let len = grid
                 .full_chunk_pages()
                 .checked_mul(mem.item_len)
                 .and_then(|b| b.checked_mul(mem.kv_ptrs.len() as u64))
                 .and_then(|b| usize::try_from(b).ok())
                 .ok_or_else(|| EngineError::Config("staging buffer size overflows".into()))?;
-            (0..cfg.queues.max(1))
-                .map(|_| Arc::new(Region::new(len)))
-                .collect()
+            StageBuffers::new(cfg.queues.max(1), len)
         } else {
-            Vec::new()
-        };
-        let own_bytes = stage_bufs.iter().map(|b| b.len()).sum();
+            StageBuffers::new(0, 0)
+        });
         let mut regions = vec![mem.kv.clone(), mem.aux.clone()];
         regions.extend(mem.state_regions.iter().cloned());
-        regions.extend(stage_bufs.iter().cloned());
         let plane =
             DataPlane::client_with(cfg.backend, &cfg.rdma, &name, cfg.connections, regions)?;
         let ctx = zmq::Context::new();
@@ -419,11 +417,11 @@ impl PrefillEngine {
             bootstrap_timeout: cfg.bootstrap_timeout,
             batch_limits: BatchLimits::new(cfg.max_batch_ops.max(1), cfg.max_batch_bytes.max(1))
                 .map_err(|e| EngineError::Config(e.to_string()))?,
-            staging: !stage_bufs.is_empty(),
+            staging: staging_on,
             aux_over_tcp: cfg.aux_over_tcp,
             ..kvx_core::PrefillConfig::default()
         };
-        let staging = (!stage_bufs.is_empty()).then(|| {
+        let staging = staging_on.then(|| {
             let shape = LocalShape {
                 tp_rank: cfg.tp_rank,
                 tp_size: cfg.tp_size.max(1),
@@ -451,7 +449,7 @@ impl PrefillEngine {
             mem: mem.clone(),
             plane,
             rt,
-            stage_bufs,
+            stage_bufs: stage_bufs.clone(),
             stop: stop.clone(),
             busy: busy.clone(),
             dead_sessions: Mutex::new(std::collections::HashMap::new()),
@@ -495,7 +493,7 @@ impl PrefillEngine {
             .spawn(move || inbox_loop(&s, &tx, inbox, &clock))?;
         tracing::info!(%endpoint, "prefill rank inbox bound");
         Ok(PrefillEngine {
-            own_bytes,
+            stage_bufs,
             busy,
             threads: Arc::downgrade(&workers),
             inputs: inputs_tx,
@@ -522,10 +520,11 @@ impl PrefillEngine {
         self.busy.total()
     }
 
-    /// Bytes of memory the engine allocated and registered itself (its staging buffers, one
-    /// per transfer queue, with `staging`), beside the caller's [`PrefillMemory`].
+    /// Bytes of memory the engine allocated and registered itself so far (with `staging`, the
+    /// staging buffers of the transfer queues that needed one), beside the caller's
+    /// [`PrefillMemory`].
     pub fn own_memory_bytes(&self) -> u64 {
-        self.own_bytes
+        self.stage_bufs.bytes()
     }
 
     /// The settings the engine runs with.

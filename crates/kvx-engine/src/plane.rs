@@ -20,7 +20,7 @@
 //! [`TransportError::DeviceMemoryUnsupported`] naming the backend and saying that device memory
 //! needs `verbs`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
 
@@ -37,6 +37,8 @@ pub struct DataPlane {
     sessions: SessionSource,
     keys: Vec<RegionKey>,
     _regions: Vec<Arc<Region>>,
+    /// Regions registered after start ([`DataPlane::register_late`]), with their keys.
+    late: Mutex<Vec<(RegionKey, Arc<Region>)>>,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -380,6 +382,7 @@ impl DataPlane {
             sessions: SessionSource::Cached,
             keys,
             _regions: regions,
+            late: Mutex::new(Vec::new()),
         })
     }
 
@@ -556,6 +559,7 @@ impl DataPlane {
             sessions: SessionSource::Cached,
             keys,
             _regions: regions,
+            late: Mutex::new(Vec::new()),
         })
     }
 
@@ -592,6 +596,25 @@ impl DataPlane {
         }
     }
 
+    /// Registers one more host region with the running plane (memory allocated on first use,
+    /// such as a transfer queue's staging buffer); it is deregistered with the others when the
+    /// plane is dropped, and the plane keeps it alive until then.
+    pub fn register_late(&self, region: Arc<Region>) -> Result<(), TransportError> {
+        if region.is_device() {
+            return Err(TransportError::DeviceMemoryUnsupported {
+                backend: self.transport.kind(),
+            });
+        }
+        // SAFETY: the region is live host memory held through the `Arc` this plane keeps until
+        // after `Drop` deregisters it; its bytes are interior-mutable (`UnsafeCell`).
+        let key = unsafe { self.transport.register(region.base(), region.len()) }?;
+        self.late
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((key, region));
+        Ok(())
+    }
+
     /// The transport.
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.transport
@@ -605,6 +628,10 @@ impl DataPlane {
 
 impl Drop for DataPlane {
     fn drop(&mut self) {
+        let late = self.late.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (k, _) in late.iter() {
+            let _ = self.transport.deregister(*k);
+        }
         for k in self.keys.drain(..) {
             let _ = self.transport.deregister(k);
         }

@@ -106,13 +106,57 @@ pub enum Report {
     },
 }
 
+/// The transfer queues' staging buffers: one per queue, allocated and registered with the data
+/// plane the first time its worker gathers a chunk (a rank whose staged slices are all whole
+/// token slots never allocates one).
+pub(crate) struct StageBuffers {
+    len: usize,
+    bufs: Vec<Mutex<Option<Arc<Region>>>>,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl StageBuffers {
+    /// `queues` buffers of `len` bytes, none allocated yet.
+    pub(crate) fn new(queues: usize, len: usize) -> Self {
+        StageBuffers {
+            len,
+            bufs: (0..queues).map(|_| Mutex::new(None)).collect(),
+            bytes: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes allocated so far.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The buffer of `shard`, allocated and registered with `plane` on first use.
+    fn get(&self, shard: usize, plane: &DataPlane) -> Result<Arc<Region>, String> {
+        let slot = self
+            .bufs
+            .get(shard)
+            .ok_or("no staging buffer for this queue")?;
+        let mut slot = lock(slot);
+        if let Some(b) = &*slot {
+            return Ok(b.clone());
+        }
+        let buf = Arc::new(Region::new(self.len));
+        plane
+            .register_late(buf.clone())
+            .map_err(|e| format!("registering a staging buffer: {e}"))?;
+        self.bytes.fetch_add(buf.len(), Ordering::Relaxed);
+        *slot = Some(buf.clone());
+        Ok(buf)
+    }
+}
+
 /// What every worker of a rank shares (read-only).
 pub(crate) struct WorkerCtx {
     pub(crate) mem: PrefillMemory,
     pub(crate) plane: DataPlane,
     pub(crate) rt: tokio::runtime::Handle,
-    /// One registered staging buffer per transfer queue (gather target of its worker).
-    pub(crate) stage_bufs: Vec<Arc<Region>>,
+    /// One staging buffer per transfer queue (gather target of its worker), on first use.
+    pub(crate) stage_bufs: Arc<StageBuffers>,
     pub(crate) stop: Arc<AtomicBool>,
     /// Time with at least one batch of the rank in flight.
     pub(crate) busy: Arc<BusyClock>,
@@ -354,10 +398,7 @@ fn stage_writes(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Vec<Tran
 /// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
 /// the chunk's own pages are read), and returns the one write that carries the block.
 fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
-    let buf = ctx
-        .stage_bufs
-        .get(shard)
-        .ok_or("no staging buffer for this queue")?;
+    let buf = ctx.stage_bufs.get(shard, &ctx.plane)?;
     let n = w.src_pages.len();
     let page_bytes = w.spec.block_len(1, 1);
     let need = w.spec.block_len(ctx.mem.kv_ptrs.len(), n);
