@@ -87,8 +87,8 @@ pub const ENGINE_SHAPES: &[EngineShape] = &[
         bytes_per_token: 32 * 2 * 8 * 128 * 2,
         tokens: &[4096],
         extra: STAGING,
-        // The ring, and one 2048-token chunk of a rank's KV per transfer queue (4) and rank.
-        extra_bytes: (1 << 30) + 2 * 4 * 2048 * 32 * 2 * 4 * 128 * 2,
+        // The ring (each rank sends all its heads: no staging buffer is allocated).
+        extra_bytes: 1 << 30,
     },
 ];
 

@@ -285,7 +285,6 @@ fn main() -> Result<()> {
             ..PrefillConfig::default()
         };
         let engine = Arc::new(PrefillEngine::start(cfg, mem.clone(), rt.handle().clone())?);
-        registered += engine.own_memory_bytes();
         let events = engine.take_events().context("prefill events")?;
         let args = ModelArgs {
             model: a.model,
@@ -339,7 +338,6 @@ fn main() -> Result<()> {
         dmem,
         rt.handle().clone(),
     )?;
-    registered += decode.own_memory_bytes();
     let devents = decode.take_events().context("decode events")?;
     let addr = format!("127.0.0.1:{port}");
     let mut dpages = PageAllocator::new(pool_pages, a.fragmentation, 7);
@@ -449,6 +447,13 @@ fn main() -> Result<()> {
         rooms.push(f);
     }
 
+    // What the engines allocated for themselves, once every room ran (a prefill allocates a
+    // staging buffer on a queue's first gather).
+    registered += decode.own_memory_bytes();
+    registered += ranks
+        .iter()
+        .map(|(e, _, _)| e.own_memory_bytes())
+        .sum::<u64>();
     decode.shutdown();
     for (engine, _, _) in &ranks {
         engine.shutdown();
@@ -503,7 +508,7 @@ fn main() -> Result<()> {
     // near the memory the caller registered (both engines live in this one process).
     let peak = peak_rss_bytes();
     if let Some(peak) = peak {
-        // Registered memory never touched (an unused staging buffer) is not resident: the
+        // Registered memory never touched (a staging buffer's unused tail) is not resident: the
         // difference may be negative.
         println!(
             "memory: peak RSS {:.0} MiB, registered {:.0} MiB (RSS - registered: {:+.0} MiB)",
