@@ -95,7 +95,7 @@ impl SliceSpec {
 
     /// Checks everything a gather or scatter needs before a byte moves: the spec, the block
     /// size (`have` bytes) and every page of every buffer (`buf_lens`).
-    fn cut(
+    pub(crate) fn cut(
         &self,
         buf_lens: impl ExactSizeIterator<Item = usize>,
         pages: &[i32],
@@ -120,7 +120,12 @@ impl SliceSpec {
         })
     }
 
-    fn page_range(&self, buffer: usize, len: usize, page: i32) -> Result<usize, CopyError> {
+    pub(crate) fn page_range(
+        &self,
+        buffer: usize,
+        len: usize,
+        page: i32,
+    ) -> Result<usize, CopyError> {
         let bad = || CopyError::Page {
             page: i64::from(page),
             buffer,
@@ -136,15 +141,15 @@ impl SliceSpec {
 }
 
 /// The checked geometry of one gather or scatter (every product fits: see [`SliceSpec::cut`]).
-struct Cut {
+pub(crate) struct Cut {
     /// Bytes per token slot of a page.
-    slot: usize,
+    pub(crate) slot: usize,
     /// Bytes of the slice per token.
-    tb: usize,
+    pub(crate) tb: usize,
     /// Byte offset of the first head inside a token slot.
-    head_off: usize,
+    pub(crate) head_off: usize,
     /// Bytes of the slice per page.
-    page_bytes: usize,
+    pub(crate) page_bytes: usize,
 }
 
 /// Gathers the slice of `pages` from every buffer in `bufs` (`[K…, V…]`) into `out`; returns

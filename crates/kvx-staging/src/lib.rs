@@ -17,6 +17,8 @@
 //! - [`copy`]: gather and scatter on host memory, and the gather as page-run writes when the
 //!   slice is whole token slots ([`gather_writes`]: no CPU copy); [`host`]: a checked op
 //!   executor for tests;
+//! - [`place`]: the scatter as a map from block offsets to page addresses ([`ScatterMap`]), so
+//!   that a decode that receives a block itself reads it straight into its pages;
 //! - [`msg`]: plain forms of `STAGING_REQ`, `STAGING_RSP`, `WATERMARK`, `CHUNK_READY`.
 //!
 //! ```
@@ -77,6 +79,7 @@ pub mod grid;
 pub mod heads;
 pub mod host;
 pub mod msg;
+pub mod place;
 pub mod prefill;
 pub mod ring;
 
@@ -88,5 +91,6 @@ pub use host::{HostMemory, OutOfRegion};
 pub use msg::{
     ALLOC_OVERSIZED, ChunkKey, ChunkReady, RspPlacement, StagingReq, StagingRsp, WatermarkMsg,
 };
+pub use place::ScatterMap;
 pub use prefill::{PrefillError, PrefillStaging, Readiness, Wake};
 pub use ring::{AllocId, Oversized, Placement, StagingRing, Watermark};
