@@ -110,6 +110,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 staging: args.staging.staging.then_some(decode::DecodeStagingConfig {
                     ring_bytes: args.staging_ring_mib.saturating_mul(1 << 20),
                     chunked_prefill_size: args.staging.chunked_prefill_size,
+                    in_place: true,
                 }),
                 stop: Some(stop.clone()),
                 shutdown_timeout: validate::duration(args.lifecycle.shutdown_timeout),

@@ -115,6 +115,7 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
         staging: a.staging.staging.then_some(decode::DecodeStagingConfig {
             ring_bytes: a.staging_ring_mib.saturating_mul(1 << 20),
             chunked_prefill_size: a.staging.chunked_prefill_size,
+            in_place: true,
         }),
         stop: Some(stop),
         shutdown_timeout: duration(a.lifecycle.shutdown_timeout),

@@ -61,6 +61,10 @@ pub struct DecodeStagingConfig {
     pub ring_bytes: u64,
     /// `chunked_prefill_size` in tokens (the chunk grid; must match the prefill's).
     pub chunked_prefill_size: i64,
+    /// Receive staged blocks straight into the rooms' pages where the data plane's own threads
+    /// receive them (`tcp`: no copy out of the ring; see [`crate::decode_staging`]). False
+    /// scatters every block from the ring (the path RDMA and shared-memory writes always take).
+    pub in_place: bool,
 }
 
 /// One room's outcome as reported by the prefill ranks.
@@ -593,13 +597,16 @@ async fn start_peer(
         .context("binding the data plane")?;
     let session = SessionId::new(plane.endpoint());
     let stager = match (ring, &cfg.staging) {
-        (Some(ring), Some(s)) => Some(Arc::new(DecodeStager::new(
-            session.clone(),
-            ring,
-            kv.clone(),
-            layout.clone(),
-            s.chunked_prefill_size,
-        )?)),
+        (Some(ring), Some(s)) => Some(Arc::new(
+            DecodeStager::new(
+                session.clone(),
+                ring,
+                kv.clone(),
+                layout.clone(),
+                s.chunked_prefill_size,
+            )?
+            .with_placement(s.in_place.then(|| plane.transport().clone())),
+        )),
         _ => None,
     };
     let ctx = zmq::Context::new();

@@ -10,15 +10,25 @@
 //! chunks in place. Each scatter frees its ring region and the new watermark goes to every
 //! subscribed prefill rank. A failed room's regions a prefill may still be writing stay fenced
 //! until the caller releases them after its grace period.
+//!
+//! When the data plane's own receive threads move the bytes (`tcp`), the copy out of the ring
+//! is skipped: each writer's block is placed ([`kvx_rdma::place`]) when its chunk gets its ring
+//! region, with a [`ScatterMap`] of where its bytes belong, so the receiver reads it straight
+//! into the room's pages. At `CHUNK_READY` the placement ends and says how many bytes it took: a
+//! whole block needs no scatter, a block that took none (written by RDMA, shared memory, or a
+//! Mooncake TE peer) is scattered from the ring as before, and a block that took part of its
+//! bytes fails the room (some of its bytes are in the ring, some in the pages).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvx_core::{Endpoint, Room, SessionId, StagingRingInfo};
+use kvx_rdma::{Placement, Transport};
 use kvx_staging::{
     ChunkGrid, ChunkReady, CopyError, DecodeAction, DecodeError, DecodeRoom, DecodeStaging,
-    RoomGrid, ScatterJob, SliceSpec, StagedLayout, StagingReq, TpGeometry,
+    RoomGrid, RspPlacement, ScatterJob, ScatterMap, SliceSpec, StagedLayout, StagingReq,
+    TpGeometry,
 };
 
 use crate::model::KvLayout;
@@ -45,6 +55,17 @@ pub enum StagingError {
     /// The room's geometry is unusable.
     #[error("staging geometry: {0}")]
     Geometry(String),
+    /// A writer's block came partly through its placement and partly around it (into the
+    /// ring): neither the pages nor the ring hold all of it.
+    #[error("writer {writer}'s block of {len} bytes took {placed} of them in place")]
+    PartlyPlaced {
+        /// The writer (its index in the chunk's layout).
+        writer: usize,
+        /// Bytes received in place.
+        placed: u64,
+        /// The block's length.
+        len: u64,
+    },
 }
 
 impl StagingError {
@@ -55,6 +76,7 @@ impl StagingError {
             StagingError::Copy(_) => "scatter_geometry",
             StagingError::Bounds(_) => "scatter_bounds",
             StagingError::Geometry(_) => "geometry",
+            StagingError::PartlyPlaced { .. } => "partly_placed",
         }
     }
 }
@@ -69,6 +91,25 @@ struct Inner {
     state: DecodeStaging<Endpoint>,
     /// Per staged room: its destination pages and chunk layout.
     rooms: HashMap<Room, (Vec<i32>, StagedLayout)>,
+    /// Per placed chunk: each writer's block's ring address, where it is placed.
+    placed: HashMap<(Room, u32), Vec<Option<u64>>>,
+}
+
+/// One writer's block, received straight into the room's pages.
+struct BlockPlacement(ScatterMap);
+
+impl Placement for BlockPlacement {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    fn bounds(&self) -> (u64, u64) {
+        self.0.bounds()
+    }
+
+    fn pieces(&self, off: u64, len: u64, f: &mut dyn FnMut(u64, u64)) -> u64 {
+        self.0.pieces(off, len, f)
+    }
 }
 
 /// The decode's staging ring and staged rooms.
@@ -78,7 +119,10 @@ pub struct DecodeStager {
     kv: Arc<Region>,
     layout: KvLayout,
     grid: ChunkGrid,
+    /// The data plane that places blocks (`None`: every block is scattered from the ring).
+    plane: Option<Arc<dyn Transport>>,
     scattered: AtomicU64,
+    placed_bytes: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -101,13 +145,25 @@ impl DecodeStager {
             inner: Mutex::new(Inner {
                 state: DecodeStaging::new(session, ring.len()),
                 rooms: HashMap::new(),
+                placed: HashMap::new(),
             }),
             ring,
             kv,
             layout,
             grid,
+            plane: None,
             scattered: AtomicU64::new(0),
+            placed_bytes: AtomicU64::new(0),
         })
+    }
+
+    /// With `Some(plane)`, places each writer's block on `plane` (the data plane `ring` and the KV pool are
+    /// registered with) when its chunk gets a ring region, so that a backend whose own threads
+    /// receive (`tcp`) reads it straight into the pages; other backends' blocks are scattered
+    /// from the ring.
+    pub fn with_placement(mut self, plane: Option<Arc<dyn Transport>>) -> Self {
+        self.plane = plane;
+        self
     }
 
     /// What the registration advertises (frames 14/15).
@@ -153,10 +209,100 @@ impl DecodeStager {
     }
 
     /// `STAGING_REQ`: the placement (and, on the room's first request, the watermark) to send.
+    /// A chunk's blocks are placed on the data plane before its first placement goes out.
     pub fn on_staging_req(&self, req: &StagingReq) -> Result<Vec<Outgoing>, StagingError> {
-        let actions = lock(&self.inner).state.on_staging_req(req)?;
+        let mut inner = lock(&self.inner);
+        let actions = inner.state.on_staging_req(req)?;
         metrics::counter!("kvx_decode_staging_requests_total").increment(1);
+        for a in &actions {
+            if let DecodeAction::Respond { rsp, .. } = a
+                && let RspPlacement::At(p) = rsp.placement
+                && !inner.placed.contains_key(&(rsp.room, rsp.chunk_idx))
+            {
+                let placed = self.place_chunk(&inner, rsp.room, rsp.chunk_idx, p.offset);
+                inner.placed.insert((rsp.room, rsp.chunk_idx), placed);
+            }
+        }
         Ok(outgoing(actions))
+    }
+
+    /// Places every writer's block of a chunk whose ring region starts at `offset`; returns
+    /// each block's ring address where it is placed.
+    fn place_chunk(
+        &self,
+        inner: &Inner,
+        room: Room,
+        chunk_idx: u32,
+        offset: u64,
+    ) -> Vec<Option<u64>> {
+        let Some(plane) = &self.plane else {
+            return Vec::new();
+        };
+        let Some((pages, layout)) = inner.rooms.get(&room) else {
+            return Vec::new();
+        };
+        let l = &self.layout;
+        let grid = RoomGrid::from_pages(self.grid, pages.len() as u64);
+        let idx = u64::from(chunk_idx);
+        let (Some(start), Some(n)) = (grid.chunk_start(idx), grid.chunk_pages(idx)) else {
+            return Vec::new();
+        };
+        let chunk_pages = usize::try_from(start)
+            .ok()
+            .zip(usize::try_from(n).ok())
+            .and_then(|(s, n)| pages.get(s..s.checked_add(n)?));
+        let (Some(chunk_pages), Ok(buffer_len)) = (
+            chunk_pages,
+            usize::try_from(l.pool_pages.saturating_mul(l.item_len)),
+        ) else {
+            return Vec::new();
+        };
+        let buffers: Vec<(u64, usize)> = (0..l.num_buffers)
+            .map(|b| (l.buffer_addr(self.kv.base(), b), buffer_len))
+            .collect();
+        let mut placed = Vec::with_capacity(layout.writers.len());
+        for (w, wr) in layout.writers.iter().enumerate() {
+            let at = self
+                .ring
+                .base()
+                .checked_add(offset)
+                .and_then(|a| a.checked_add(layout.writer_offset(w, n)));
+            let map = (|| {
+                let spec = SliceSpec {
+                    page_size: usize::try_from(l.page_size).ok()?,
+                    bytes_per_head_token: usize::try_from(l.head_bytes).ok()?,
+                    item_len: usize::try_from(l.item_len).ok()?,
+                    head: wr.dst_head as usize,
+                    n_heads: wr.heads as usize,
+                };
+                ScatterMap::new(&spec, &buffers, chunk_pages)
+                    .ok()
+                    .filter(|m| !m.is_empty() && m.len() == layout.writer_bytes(w, n))
+            })();
+            let r = match (at, map) {
+                (Some(at), Some(map)) => plane
+                    .place(at, Arc::new(BlockPlacement(map)))
+                    .map(|ok| ok.then_some(at)),
+                _ => Ok(None),
+            };
+            placed.push(r.unwrap_or_else(|e| {
+                tracing::debug!(%room, chunk_idx, writer = w, error = %e, "block not placed; it is scattered from the ring");
+                None
+            }));
+        }
+        placed
+    }
+
+    /// Ends a chunk's placements; returns the bytes each writer's block took in place.
+    fn unplace_chunk(&self, inner: &mut Inner, room: Room, chunk_idx: u32) -> Vec<u64> {
+        let placed = inner.placed.remove(&(room, chunk_idx)).unwrap_or_default();
+        let Some(plane) = &self.plane else {
+            return Vec::new();
+        };
+        placed
+            .into_iter()
+            .map(|at| at.and_then(|a| plane.unplace(a)).unwrap_or(0))
+            .collect()
     }
 
     /// `CHUNK_READY`: once every writer of the chunk reported, scatters it (on this thread) and
@@ -169,10 +315,12 @@ impl DecodeStager {
                 out.push(a);
                 continue;
             };
+            // Every writer reported: nothing more arrives through the placements.
+            let placed = self.unplace_chunk(&mut inner, job.room, job.chunk_idx);
             // The state machine keeps the region live until `on_scatter_done`: a failed scatter
             // still frees it (the room fails by its bytes, not by a stuck ring).
             let scattered = match inner.rooms.get(&job.room) {
-                Some((pages, layout)) => self.scatter(&job, pages, layout),
+                Some((pages, layout)) => self.scatter(&job, pages, layout, &placed),
                 None => Err(DecodeError::UnknownRoom(job.room).into()),
             };
             out.extend(inner.state.on_scatter_done(job.room, job.chunk_idx)?);
@@ -183,7 +331,8 @@ impl DecodeStager {
         Ok(outgoing(out))
     }
 
-    /// Copies every writer's block of a chunk from the ring into the room's pages, one page of
+    /// Copies every writer's block of a chunk that did not arrive in place (`placed[w]`: the
+    /// bytes writer `w`'s block took in place) from the ring into the room's pages, one page of
     /// one buffer at a time (only the room's own pages are borrowed). A large chunk is split by
     /// KV buffer over up to [`SCATTER_THREADS`] threads (distinct buffers are distinct memory):
     /// the last chunk's scatter is on the room's critical path.
@@ -192,6 +341,7 @@ impl DecodeStager {
         job: &ScatterJob,
         pages: &[i32],
         layout: &StagedLayout,
+        placed: &[u64],
     ) -> Result<(), StagingError> {
         let l = &self.layout;
         let start = usize::try_from(job.page_start).unwrap_or(usize::MAX);
@@ -225,6 +375,23 @@ impl DecodeStager {
                 .checked_add(layout.writer_offset(w, job.num_pages))
                 .ok_or_else(|| StagingError::Geometry("ring offset overflows".into()))?;
             let len = layout.writer_bytes(w, job.num_pages);
+            match placed.get(w).copied().unwrap_or(0) {
+                0 => {}
+                p if p == len => {
+                    self.placed_bytes.fetch_add(p, Ordering::Relaxed);
+                    metrics::counter!("kvx_decode_staged_blocks_total", "path" => "placed")
+                        .increment(1);
+                    continue;
+                }
+                p => {
+                    return Err(StagingError::PartlyPlaced {
+                        writer: w,
+                        placed: p,
+                        len,
+                    });
+                }
+            }
+            metrics::counter!("kvx_decode_staged_blocks_total", "path" => "ring").increment(1);
             // Read in place: a copy of the block would cost a payload-sized allocation (and its
             // page faults) per chunk and writer.
             // SAFETY: every prefill writer of this chunk reported CHUNK_READY, so its data-plane
@@ -240,6 +407,10 @@ impl DecodeStager {
                 )));
             }
             writers.push((spec, block));
+        }
+        if writers.is_empty() {
+            // Every block arrived in place.
+            return Ok(());
         }
         let scatter_buffers = |buffers: std::ops::Range<usize>| -> Result<(), StagingError> {
             for b in buffers {
@@ -310,6 +481,16 @@ impl DecodeStager {
         let mut inner = lock(&self.inner);
         let drained = inner.state.room_drained(room) && !inner.state.room_oversized(room);
         inner.rooms.remove(&room);
+        // Writes still arriving for the room's chunks land in their (fenced) ring regions.
+        let chunks: Vec<u32> = inner
+            .placed
+            .keys()
+            .filter(|(r, _)| *r == room)
+            .map(|&(_, c)| c)
+            .collect();
+        for c in chunks {
+            self.unplace_chunk(&mut inner, room, c);
+        }
         let actions = if success {
             inner.state.release_room(room)
         } else {
@@ -323,9 +504,14 @@ impl DecodeStager {
         outgoing(lock(&self.inner).state.release_fenced(room))
     }
 
-    /// Chunks scattered from the ring so far.
+    /// Chunks landed in rooms' pages so far (scattered from the ring or received in place).
     pub fn scattered(&self) -> u64 {
         self.scattered.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of writers' blocks received straight into rooms' pages (no copy out of the ring).
+    pub fn placed_bytes(&self) -> u64 {
+        self.placed_bytes.load(Ordering::Relaxed)
     }
 
     /// Staged rooms, live ring allocations and fenced rooms.
@@ -357,3 +543,6 @@ fn outgoing(actions: Vec<DecodeAction<Endpoint>>) -> Vec<Outgoing> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

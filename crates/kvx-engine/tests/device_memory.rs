@@ -242,6 +242,7 @@ fn decode_refuses_staging_over_device_kv() {
         staging: Some(DecodeStagingConfig {
             ring_bytes: 1 << 20,
             chunked_prefill_size: 8192,
+            in_place: true,
         }),
         ..DecodeEngineConfig::new(l.clone())
     };

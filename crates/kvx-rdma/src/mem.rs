@@ -14,7 +14,7 @@
 //! every region at once (transport shutdown and drop). After either returns, no byte of the
 //! region(s) is written by this crate.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -22,6 +22,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use crate::error::{RejectReason, TransportError};
+use crate::place::Placement;
 use crate::segment::{RegionDesc, RegionKey, SegmentDescriptor};
 
 /// A checked address range inside a registered region. Constructed only by [`RegionTable`].
@@ -163,13 +164,39 @@ struct Entry {
     lease: Arc<Lease>,
 }
 
+/// A placed range ([`RegionTable::place`]).
+struct Placed {
+    /// One past the range's last byte.
+    end: u64,
+    map: Arc<dyn Placement>,
+    /// `map.bounds()`, checked inside the region of `dst`.
+    bounds: (u64, u64),
+    /// The lease of the region the pieces land in.
+    dst: Arc<Lease>,
+    /// Payload bytes leased through the placement.
+    routed: AtomicU64,
+}
+
 #[derive(Default)]
 struct Inner {
     /// Sorted by base, non-overlapping.
     regions: Vec<RegionDesc>,
     by_key: HashMap<u32, Entry>,
+    /// Placed ranges by start, non-overlapping.
+    placed: BTreeMap<u64, Placed>,
     /// Set by [`RegionTable::close_receive`]: no new lease is granted.
     closed: bool,
+}
+
+impl Inner {
+    /// The registered region containing `[addr, addr + len)`.
+    fn region_at(&self, addr: u64, len: u64) -> Option<&Entry> {
+        let i = self.regions.partition_point(|r| r.base <= addr);
+        i.checked_sub(1)
+            .and_then(|i| self.regions.get(i))
+            .filter(|r| r.contains(addr, len))
+            .and_then(|r| self.by_key.get(&r.key.0))
+    }
 }
 
 /// The regions a transport registered, with key and address lookups.
@@ -289,6 +316,9 @@ impl RegionTable {
                 detail: format!("no region with key {key}"),
             })?;
         g.regions.retain(|r| r.base != e.desc.base);
+        // Placements in the region, or landing in it, end with it.
+        g.placed
+            .retain(|&start, p| !e.desc.contains(start, 0) && !Arc::ptr_eq(&p.dst, &e.lease));
         // Under the write lock: no receiver can take the lease from now on.
         e.lease.gone.store(true, Ordering::SeqCst);
         Ok(e)
@@ -395,46 +425,176 @@ impl RegionTable {
 
     /// [`RegionTable::lease_keyed`] (or, for an empty write, [`RegionTable::check_keyed`]) for
     /// every write of one frame under a single look at the table: one read lock, one key lookup
-    /// per run of writes to the same region, one hold per region. `f` gets each write's result
-    /// in order. The frame is checked against one state of the table, so a deregistration
-    /// either comes before all of it or waits for the frame's leases.
+    /// per run of writes to the same region, one hold per region. `f(i, len, r)` gets, in order,
+    /// the receive targets of write `i` (its index in `writes`): one `(len, span)` for a plain
+    /// write or a rejection, and for a write into a placed range ([`RegionTable::place`]) the
+    /// placement's destination ranges for the bytes inside it, each checked against the
+    /// placement's bounds (a range outside them is rejected: `OutOfBounds`), and plain spans for
+    /// the bytes outside it. The lengths of write `i`'s targets add up to its length. The frame
+    /// is checked against one state of the table, so a deregistration either comes before all
+    /// of it or waits for the frame's leases.
     pub fn lease_keyed_frame(
         &self,
         rx: &Receiver,
         writes: impl Iterator<Item = (RegionKey, u64, u64)>,
-        mut f: impl FnMut(Result<Span, RejectReason>),
+        mut f: impl FnMut(usize, u64, Result<Span, RejectReason>),
     ) {
         let g = self.read();
         // The region of the previous write, once it is held.
         let mut last: Option<(u32, &Entry, bool)> = None;
-        for (key, addr, len) in writes {
+        for (i, (key, addr, len)) in writes.enumerate() {
             let e = match last {
                 Some((k, e, _)) if k == key.0 => Some(e),
                 _ => g.by_key.get(&key.0),
             };
             let Some(e) = e else {
-                f(Err(RejectReason::BadKey));
+                f(i, len, Err(RejectReason::BadKey));
                 continue;
             };
             let held = matches!(last, Some((k, _, true)) if k == key.0);
             last = Some((key.0, e, held));
             if len > 0 && g.closed {
-                f(Err(RejectReason::BadKey));
+                f(i, len, Err(RejectReason::BadKey));
                 continue;
             }
             if !e.desc.contains(addr, len) {
-                f(Err(RejectReason::OutOfBounds));
+                f(i, len, Err(RejectReason::OutOfBounds));
                 continue;
             }
             if len > 0 && !held {
                 Self::hold(rx, &e.lease);
                 last = Some((key.0, e, true));
             }
-            f(Ok(Span {
-                addr,
-                len: len as usize,
-            }));
+            if len > 0 && !g.placed.is_empty() {
+                Self::route(&g, rx, addr, len, &mut |n, r| f(i, n, r));
+            } else {
+                f(
+                    i,
+                    len,
+                    Ok(Span {
+                        addr,
+                        len: len as usize,
+                    }),
+                );
+            }
         }
+    }
+
+    /// The targets of a checked write `[addr, addr + len)` under the placements (see
+    /// [`RegionTable::lease_keyed_frame`]).
+    fn route(
+        g: &Inner,
+        rx: &Receiver,
+        addr: u64,
+        len: u64,
+        f: &mut dyn FnMut(u64, Result<Span, RejectReason>),
+    ) {
+        // In a registered region: no overflow.
+        let end = addr + len;
+        let mut at = addr;
+        let from = g
+            .placed
+            .range(..=addr)
+            .next_back()
+            .map_or(addr, |(&s, _)| s);
+        for (&start, p) in g.placed.range(from..end) {
+            if p.end <= at {
+                continue;
+            }
+            if start > at {
+                f(
+                    start - at,
+                    Ok(Span {
+                        addr: at,
+                        len: (start - at) as usize,
+                    }),
+                );
+                at = start;
+            }
+            let stop = p.end.min(end);
+            Self::hold(rx, &p.dst);
+            let (lo, hi) = p.bounds;
+            let mapped = p.map.pieces(at - start, stop - at, &mut |a, n| {
+                if a >= lo && a.checked_add(n).is_some_and(|e| e <= hi) {
+                    f(
+                        n,
+                        Ok(Span {
+                            addr: a,
+                            len: n as usize,
+                        }),
+                    );
+                } else {
+                    f(n, Err(RejectReason::OutOfBounds));
+                }
+            });
+            if mapped < stop - at {
+                f(stop - at - mapped, Err(RejectReason::OutOfBounds));
+            }
+            p.routed.fetch_add(mapped, Ordering::Relaxed);
+            at = stop;
+        }
+        if at < end {
+            f(
+                end - at,
+                Ok(Span {
+                    addr: at,
+                    len: (end - at) as usize,
+                }),
+            );
+        }
+    }
+
+    /// Places `[addr, addr + map.len())`: from now on, writes received into it through
+    /// [`RegionTable::lease_keyed_frame`] land where `map` says (see [`crate::place`]). The range
+    /// must lie inside a registered region and overlap no other placement; `map.bounds()` must
+    /// lie inside a registered region (whose lease the receivers hold while they write into it).
+    /// Ended by [`RegionTable::unplace`], or when either region is deregistered.
+    pub fn place(&self, addr: u64, map: Arc<dyn Placement>) -> Result<(), TransportError> {
+        let len = map.len();
+        let err = |detail: &str| TransportError::Registration {
+            addr,
+            len,
+            detail: detail.into(),
+        };
+        let mut g = self.write();
+        if g.closed {
+            return Err(err("the table stopped receiving"));
+        }
+        if len == 0 || g.region_at(addr, len).is_none() {
+            return Err(err("placed range empty or outside every registered region"));
+        }
+        let (lo, hi) = map.bounds();
+        let dst = hi
+            .checked_sub(lo)
+            .and_then(|n| g.region_at(lo, n))
+            .map(|e| e.lease.clone())
+            .ok_or_else(|| err("placement bounds outside every registered region"))?;
+        let end = addr + len;
+        let before = g.placed.range(..end).next_back();
+        if before.is_some_and(|(_, p)| p.end > addr) {
+            return Err(err("overlaps a placed range"));
+        }
+        g.placed.insert(
+            addr,
+            Placed {
+                end,
+                map,
+                bounds: (lo, hi),
+                dst,
+                routed: AtomicU64::new(0),
+            },
+        );
+        Ok(())
+    }
+
+    /// Ends the placement starting at `addr`; returns the payload bytes leased through it
+    /// (`None`: no such placement, or it ended with its region). Frames leased before this
+    /// call still land where the placement said.
+    pub fn unplace(&self, addr: u64) -> Option<u64> {
+        self.write()
+            .placed
+            .remove(&addr)
+            .map(|p| p.routed.into_inner())
     }
 
     /// [`RegionTable::resolve`], and `rx` leases the region until it releases.
@@ -855,7 +1015,10 @@ mod tests {
             .collect();
         let rx = t.receiver(Arc::new(NoInterrupt));
         let mut got = Vec::new();
-        t.lease_keyed_frame(&rx, writes.iter().copied(), |r| got.push(r));
+        t.lease_keyed_frame(&rx, writes.iter().copied(), |i, len, r| {
+            assert_eq!((i, len), (got.len(), writes[i].2));
+            got.push(r)
+        });
         assert_eq!(got, want);
         assert_eq!(got[1], Err(RejectReason::OutOfBounds));
         assert_eq!(got[4], Err(RejectReason::BadKey));
@@ -867,12 +1030,137 @@ mod tests {
         // A closed table grants no lease (an empty write is still only checked).
         t.close_receive();
         let mut got = Vec::new();
-        t.lease_keyed_frame(&rx, [(a, 0x1000, 1), (a, 0x1000, 0)].into_iter(), |r| {
-            got.push(r)
-        });
+        t.lease_keyed_frame(
+            &rx,
+            [(a, 0x1000, 1), (a, 0x1000, 0)].into_iter(),
+            |_, _, r| got.push(r),
+        );
         assert_eq!(got[0], Err(RejectReason::BadKey));
         assert!(got[1].is_ok());
         assert!(!rx.holds_any());
+    }
+
+    /// Places `[0, len)` at stride: byte `o` of the range lands at `dst + 2 * o` in runs of
+    /// `run` bytes (every other run skipped), optionally with one piece out of bounds.
+    struct Strided {
+        len: u64,
+        dst: u64,
+        run: u64,
+        stray: bool,
+    }
+
+    impl Placement for Strided {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn bounds(&self) -> (u64, u64) {
+            (self.dst, self.dst + 2 * self.len)
+        }
+        fn pieces(&self, off: u64, len: u64, f: &mut dyn FnMut(u64, u64)) -> u64 {
+            let end = (off + len).min(self.len);
+            let mut at = off;
+            while at < end {
+                let n = (self.run - at % self.run).min(end - at);
+                let base = if self.stray && at == 0 { 0 } else { self.dst };
+                f(base + 2 * at - at % self.run, n);
+                at += n;
+            }
+            end.saturating_sub(off)
+        }
+    }
+
+    fn frame(
+        t: &RegionTable,
+        rx: &Receiver,
+        writes: &[(RegionKey, u64, u64)],
+    ) -> Vec<(usize, u64, Result<Span, RejectReason>)> {
+        let mut got = Vec::new();
+        t.lease_keyed_frame(rx, writes.iter().copied(), |i, n, r| got.push((i, n, r)));
+        got
+    }
+
+    #[test]
+    fn writes_into_a_placed_range_land_where_the_placement_says() {
+        let t = RegionTable::new();
+        let ring = t.insert(0x1000, 0x1000).unwrap();
+        t.insert(0x10000, 0x1000).unwrap();
+        let map = Arc::new(Strided {
+            len: 0x100,
+            dst: 0x10000,
+            run: 0x40,
+            stray: false,
+        });
+        t.place(0x1100, map.clone()).unwrap();
+        // No overlap with a placed range; bounds and range inside registered regions.
+        assert!(t.place(0x10c0, map.clone()).is_err());
+        assert!(t.place(0x11ff, map.clone()).is_err());
+        assert!(
+            t.place(0x1f80, map.clone()).is_err(),
+            "range past its region"
+        );
+        let wide = Arc::new(Strided {
+            len: 0x1000,
+            dst: 0x10000,
+            run: 0x40,
+            stray: false,
+        });
+        assert!(
+            t.place(0x1000, wide).is_err(),
+            "bounds past the destination region"
+        );
+        let rx = t.receiver(Arc::new(NoInterrupt));
+        // A write straddling the placed range's start, one inside it, one after it.
+        let got = frame(
+            &t,
+            &rx,
+            &[
+                (ring, 0x10f0, 0x60),
+                (ring, 0x11c0, 0x20),
+                (ring, 0x1300, 8),
+            ],
+        );
+        let span = |a: u64, n: u64| {
+            Ok(Span {
+                addr: a,
+                len: n as usize,
+            })
+        };
+        assert_eq!(
+            got,
+            vec![
+                (0, 0x10, span(0x10f0, 0x10)),
+                (0, 0x40, span(0x10000, 0x40)),
+                (0, 0x10, span(0x10080, 0x10)),
+                (1, 0x20, span(0x10180, 0x20)),
+                (2, 8, span(0x1300, 8)),
+            ]
+        );
+        // Both regions held once.
+        assert_eq!(lock(&rx.shared.held).len(), 2);
+        rx.release();
+        assert_eq!(t.unplace(0x1100), Some(0x70));
+        assert_eq!(t.unplace(0x1100), None);
+        // Unplaced: the ring again.
+        assert_eq!(
+            frame(&t, &rx, &[(ring, 0x1100, 4)]),
+            vec![(0, 4, span(0x1100, 4))]
+        );
+        rx.release();
+        // A piece outside the placement's bounds is rejected, the others land.
+        let stray = Arc::new(Strided {
+            len: 0x80,
+            dst: 0x10000,
+            run: 0x40,
+            stray: true,
+        });
+        t.place(0x1100, stray).unwrap();
+        let got = frame(&t, &rx, &[(ring, 0x1100, 0x80)]);
+        assert_eq!(got[0], (0, 0x40, Err(RejectReason::OutOfBounds)));
+        assert_eq!(got[1], (0, 0x40, span(0x10080, 0x40)));
+        rx.release();
+        // Deregistering the ring ends its placements.
+        t.deregister(ring).unwrap();
+        assert_eq!(t.unplace(0x1100), None);
     }
 
     /// Every part's bytes arrive in order, whatever the partial writes and skips: more parts

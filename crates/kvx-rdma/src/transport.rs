@@ -16,6 +16,7 @@ use std::sync::Arc;
 use kvx_core::TransferOp;
 
 use crate::error::TransportError;
+use crate::place::Placement;
 use crate::segment::{RegionKey, SegmentDescriptor};
 
 /// A boxed, sendable future (what the object-safe traits return).
@@ -84,6 +85,22 @@ pub trait Transport: Send + Sync + 'static {
     /// Payload bytes peers have written into this side's regions, where the backend counts
     /// them (`tcp`, `mooncake`); `None` where it does not.
     fn bytes_received(&self) -> Option<u64> {
+        None
+    }
+
+    /// Places `[addr, addr + map.len())` of a registered region: writes this transport's own
+    /// receive threads take into it land where `map` says instead (see [`crate::place`]).
+    /// `Ok(false)`: this backend's writes bypass a receiver (RDMA, shared memory) or it does not
+    /// route them, so they land in the range as usual (the default).
+    fn place(&self, addr: u64, map: Arc<dyn Placement>) -> Result<bool, TransportError> {
+        let _ = (addr, map);
+        Ok(false)
+    }
+
+    /// Ends a placement made by [`Transport::place`]; returns the payload bytes received
+    /// through it (`None` where there was none).
+    fn unplace(&self, addr: u64) -> Option<u64> {
+        let _ = addr;
         None
     }
 

@@ -91,6 +91,10 @@ struct Args {
     /// staging path, `DecodeEngineConfig::staging`) instead of per-token head slices.
     #[arg(long)]
     staging_ring_mib: Option<u64>,
+    /// With `--staging-ring-mib`: scatter every staged block from the ring instead of receiving
+    /// it straight into the pages (`DecodeStagingConfig::in_place` off; for comparison).
+    #[arg(long)]
+    ring_scatter: bool,
     /// `chunked_prefill_size` in tokens: the staging chunk grid of both sides.
     #[arg(long, default_value_t = kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE)]
     chunked_prefill_size: i64,
@@ -332,6 +336,7 @@ fn main() -> Result<()> {
             staging: a.staging_ring_mib.map(|mib| DecodeStagingConfig {
                 ring_bytes: mib << 20,
                 chunked_prefill_size: a.chunked_prefill_size,
+                in_place: !a.ring_scatter,
             }),
             ..DecodeEngineConfig::new(dlayout.clone())
         },
@@ -450,6 +455,14 @@ fn main() -> Result<()> {
     // What the engines allocated for themselves, once every room ran (a prefill allocates a
     // staging buffer on a queue's first gather).
     registered += decode.own_memory_bytes();
+    let stats = decode.stats();
+    if stats.staged_chunks > 0 {
+        println!(
+            "staging: {} chunks, {:.1} MiB of blocks received straight into the pages",
+            stats.staged_chunks,
+            stats.staged_bytes_in_place as f64 / (1 << 20) as f64
+        );
+    }
     registered += ranks
         .iter()
         .map(|(e, _, _)| e.own_memory_bytes())

@@ -351,6 +351,7 @@ impl DecodeEngine {
             abort_acked_rooms: p.abort_acked_rooms.load(Ordering::Relaxed),
             late_writes: p.late_writes.load(Ordering::Relaxed),
             staged_chunks: p.stager.as_ref().map_or(0, |st| st.scattered()),
+            staged_bytes_in_place: p.stager.as_ref().map_or(0, |st| st.placed_bytes()),
         }
     }
 
@@ -514,8 +515,12 @@ pub struct DecodeStats {
     /// Writes seen in an acknowledged room's pages after its last `ABORT_ACK` (always 0 with a
     /// device KV pool, whose pages the CPU does not read).
     pub late_writes: u64,
-    /// Staged chunks scattered from the staging ring into rooms' pages.
+    /// Staged chunks landed in rooms' pages (scattered from the staging ring or received in
+    /// place).
     pub staged_chunks: u64,
+    /// Bytes of staged blocks received straight into rooms' pages, not copied out of the ring
+    /// ([`crate::decode::DecodeStagingConfig::in_place`]).
+    pub staged_bytes_in_place: u64,
 }
 
 impl Drop for DecodeEngine {

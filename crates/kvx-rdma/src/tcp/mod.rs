@@ -370,6 +370,18 @@ impl Transport for TcpTransport {
         self.inner.table.descriptor(&self.inner.endpoint)
     }
 
+    fn place(
+        &self,
+        addr: u64,
+        map: Arc<dyn crate::place::Placement>,
+    ) -> Result<bool, TransportError> {
+        self.inner.table.place(addr, map).map(|()| true)
+    }
+
+    fn unplace(&self, addr: u64) -> Option<u64> {
+        self.inner.table.unplace(addr)
+    }
+
     fn endpoint(&self) -> String {
         self.inner.endpoint.clone()
     }

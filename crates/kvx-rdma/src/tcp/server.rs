@@ -469,10 +469,11 @@ fn receive(
             ClientFrame::Write { key, addr, len, .. } => {
                 let t = check_write(ctx, rx, &mut win, Entry { key, addr, len });
                 match t {
-                    Some(t) if !t.is_empty() => {
+                    Some(targets) if len > 0 => {
+                        let idx = targets.iter().take_while(|t| t.is_empty()).count();
                         state = State::Payload {
-                            targets: vec![t],
-                            idx: 0,
+                            targets,
+                            idx,
                             off: 0,
                         }
                     }
@@ -500,20 +501,40 @@ fn receive(
     }
 }
 
-/// Checks one write: `Some(Mem)` to receive it, `Some(Discard)` when rejected (its payload is
-/// drained), `None` when its length is above the limit (the connection must close).
-fn check_write(ctx: &ServerCtx, rx: &Receiver, win: &mut Window, e: Entry) -> Option<RecvTarget> {
+/// Checks one write: its receive targets (more than one when it lands in a placed range; a
+/// rejected one is drained), `None` when its length is above the limit (the connection must
+/// close).
+fn check_write(
+    ctx: &ServerCtx,
+    rx: &Receiver,
+    win: &mut Window,
+    e: Entry,
+) -> Option<Vec<RecvTarget>> {
     if e.len > u64::from(ctx.max_write_len) {
         win.reject_fatal(RejectReason::TooLong, e.addr);
         return None;
     }
-    // An empty write touches no memory: checked, but not leased.
-    let checked = if e.len == 0 {
-        ctx.table.check_keyed(e.key, e.addr, 0)
-    } else {
-        ctx.table.lease_keyed(rx, e.key, e.addr, e.len)
-    };
-    Some(target(win, e, checked))
+    Some(lease_targets(ctx, rx, win, &[e]))
+}
+
+/// The receive targets of a frame's checked writes, under one look at the region table.
+fn lease_targets(
+    ctx: &ServerCtx,
+    rx: &Receiver,
+    win: &mut Window,
+    entries: &[Entry],
+) -> Vec<RecvTarget> {
+    let mut targets = Vec::with_capacity(entries.len());
+    ctx.table.lease_keyed_frame(
+        rx,
+        entries.iter().map(|e| (e.key, e.addr, e.len)),
+        |i, len, checked| {
+            if let Some(&e) = entries.get(i) {
+                targets.push(target(win, Entry { len, ..e }, checked));
+            }
+        },
+    );
+    targets
 }
 
 /// The receive target of a checked write; a rejected one is logged, counted and drained.
@@ -560,17 +581,7 @@ fn entries_to_payload(
         }
         entries.push(e);
     }
-    let mut targets = Vec::with_capacity(entries.len());
-    let mut next = entries.iter();
-    ctx.table.lease_keyed_frame(
-        rx,
-        entries.iter().map(|e| (e.key, e.addr, e.len)),
-        |checked| {
-            if let Some(&e) = next.next() {
-                targets.push(target(win, e, checked));
-            }
-        },
-    );
+    let targets = lease_targets(ctx, rx, win, &entries);
     let idx = targets.iter().take_while(|t| t.is_empty()).count();
     Ok(State::Payload {
         targets,
