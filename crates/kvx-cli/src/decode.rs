@@ -349,6 +349,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<Summary> {
     let stats = engine.stats();
     s.bytes = load.bytes.load(Ordering::Relaxed);
     s.staged_chunks = stats.staged_chunks;
+    s.staged_bytes_in_place = stats.staged_bytes_in_place;
     s.dropped_messages = stats.dropped_messages;
     s.aborted_rooms = stats.aborted_rooms;
     s.abort_acked_rooms = stats.abort_acked_rooms;

@@ -155,7 +155,11 @@ pub fn run(args: DemoArgs) -> Result<i32> {
         m.model, layout.num_buffers, layout.item_len, layout.page_size
     );
     if summary.staged_chunks > 0 {
-        println!("staging: {} chunks through the ring", summary.staged_chunks);
+        println!(
+            "staging: {} chunks through the ring, {:.1} MiB received straight into the pages",
+            summary.staged_chunks,
+            summary.staged_bytes_in_place as f64 / (1 << 20) as f64
+        );
     }
     println!(
         "rooms: {} × {} tokens, concurrency {}",

@@ -160,8 +160,9 @@ fn run_decode(a: DecodeArgs) -> Result<i32> {
     );
     if s.staged_chunks > 0 {
         println!(
-            "staging: {} chunks through the ring, scattered",
-            s.staged_chunks
+            "staging: {} chunks through the ring, {:.1} MiB received straight into the pages",
+            s.staged_chunks,
+            s.staged_bytes_in_place as f64 / (1 << 20) as f64
         );
     }
     println!("verified: {}/{} rooms", s.verified, s.requests);

@@ -309,7 +309,12 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     (
         "kvx_decode_staged_chunks_total",
         Kind::Counter,
-        "Chunks scattered from the staging ring",
+        "Staged chunks landed in rooms' pages",
+    ),
+    (
+        "kvx_decode_staged_blocks_total",
+        Kind::Counter,
+        "Writers' staged blocks by path: received in place, or scattered from the ring",
     ),
     (
         "kvx_decode_staging_requests_total",

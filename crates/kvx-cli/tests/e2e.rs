@@ -239,37 +239,59 @@ fn aux_rows_over_zmq_are_verified() {
     assert_eq!(metric_sum(&m, "kvx_aux_messages_total"), 60.0, "{m}");
 }
 
+/// Llama-3-8B TP 2 → TP 1 through a 16 MiB staging ring in `kvx demo`: over tcp every
+/// writer's block is received straight into the pages; over the same-process `local` backend
+/// (writes that bypass a receiver, as RDMA's do) every block is scattered from the ring.
 #[test]
 fn demo_runs_heterogeneous_tp_through_staging() {
     let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("demo.json");
-    let out = Proc::spawn(
-        std::process::Command::new(KVX)
-            .args(["demo", "--model", "llama3-8b", "--pool-pages", "64"])
-            .args(["--tp-size", "2", "--decode-tp", "1", "--staging"])
-            // 64-token chunks: 8 MiB, which the decode scatters on several threads.
-            .args(["--chunked-prefill-size", "64", "--staging-ring-mib", "16"])
-            .args(["--rooms", "4", "--prompt-tokens", "256"])
-            .arg("--summary-json")
-            .arg(&s),
-    )
-    .wait_output(GUARD);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        stdout
-            .lines()
-            .last()
-            .unwrap()
-            .starts_with("verified: 4/4 rooms"),
-        "{stdout}"
-    );
-    // 256 tokens on a 64-token grid: 4 chunks per room, all through the ring.
-    assert_eq!(summary(&s)["staged_chunks"], 16, "{stdout}");
+    for backend in ["tcp", "local"] {
+        let s = dir.path().join(format!("demo-{backend}.json"));
+        let out = Proc::spawn(
+            std::process::Command::new(KVX)
+                .args(["demo", "--model", "llama3-8b", "--pool-pages", "64"])
+                .args(["--tp-size", "2", "--decode-tp", "1", "--staging"])
+                // 64-token chunks: 8 MiB, which the decode scatters on several threads.
+                .args(["--chunked-prefill-size", "64", "--staging-ring-mib", "16"])
+                .args([
+                    "--rooms",
+                    "4",
+                    "--prompt-tokens",
+                    "256",
+                    "--backend",
+                    backend,
+                ])
+                .arg("--summary-json")
+                .arg(&s),
+        )
+        .wait_output(GUARD);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout
+                .lines()
+                .last()
+                .unwrap()
+                .starts_with("verified: 4/4 rooms"),
+            "{stdout}"
+        );
+        // 256 tokens on a 64-token grid: 4 chunks per room, all through the ring.
+        let sum = summary(&s);
+        assert_eq!(sum["staged_chunks"], 16, "{stdout}");
+        let in_place = if backend == "tcp" {
+            4 * 256 * 128 * 1024
+        } else {
+            0
+        };
+        assert_eq!(
+            sum["staged_bytes_in_place"], in_place,
+            "{backend}: {stdout}"
+        );
+    }
 }
 
 /// A decode started with `KVX_TCP_SECRET` accepts kvx tcp writes only from a prefill with the

@@ -93,6 +93,10 @@ struct Inner {
     rooms: HashMap<Room, (Vec<i32>, StagedLayout)>,
     /// Per placed chunk: each writer's block's ring address, where it is placed.
     placed: HashMap<(Room, u32), Vec<Option<u64>>>,
+    /// Chunks whose ring region overlaps an older live one (the ring overcommits): placed once
+    /// that one is freed, before the watermark that lets a prefill write them goes out — until
+    /// then the range may still receive the older chunk's bytes.
+    waiting: HashMap<(Room, u32), kvx_staging::Placement>,
 }
 
 /// One writer's block, received straight into the room's pages.
@@ -146,6 +150,7 @@ impl DecodeStager {
                 state: DecodeStaging::new(session, ring.len()),
                 rooms: HashMap::new(),
                 placed: HashMap::new(),
+                waiting: HashMap::new(),
             }),
             ring,
             kv,
@@ -209,21 +214,47 @@ impl DecodeStager {
     }
 
     /// `STAGING_REQ`: the placement (and, on the room's first request, the watermark) to send.
-    /// A chunk's blocks are placed on the data plane before its first placement goes out.
+    /// A chunk's blocks are placed on the data plane before the first message that lets a
+    /// prefill write them goes out (this placement, or a later watermark).
     pub fn on_staging_req(&self, req: &StagingReq) -> Result<Vec<Outgoing>, StagingError> {
         let mut inner = lock(&self.inner);
         let actions = inner.state.on_staging_req(req)?;
         metrics::counter!("kvx_decode_staging_requests_total").increment(1);
-        for a in &actions {
-            if let DecodeAction::Respond { rsp, .. } = a
-                && let RspPlacement::At(p) = rsp.placement
-                && !inner.placed.contains_key(&(rsp.room, rsp.chunk_idx))
-            {
-                let placed = self.place_chunk(&inner, rsp.room, rsp.chunk_idx, p.offset);
-                inner.placed.insert((rsp.room, rsp.chunk_idx), placed);
+        if self.plane.is_some() {
+            for a in &actions {
+                if let DecodeAction::Respond { rsp, .. } = a
+                    && let RspPlacement::At(p) = rsp.placement
+                {
+                    let key = (rsp.room, rsp.chunk_idx);
+                    if !inner.placed.contains_key(&key) {
+                        inner.waiting.insert(key, p);
+                    }
+                }
             }
+            self.place_waiting(&mut inner);
         }
         Ok(outgoing(actions))
+    }
+
+    /// Places every waiting chunk whose ring region no longer overlaps an older live one.
+    fn place_waiting(&self, inner: &mut Inner) {
+        let ring = inner.state.ring();
+        let free: Vec<((Room, u32), u64)> = inner
+            .waiting
+            .iter()
+            // Allocations come in (round, offset) order. A newer region over this one is
+            // written only once this one is freed (the watermark), an older one may still be.
+            .filter(|&(_, p)| {
+                ring.live()
+                    .all(|(_, q)| (q.round, q.offset) >= (p.round, p.offset) || !q.overlaps(p))
+            })
+            .map(|(&key, p)| (key, p.offset))
+            .collect();
+        for (key, offset) in free {
+            inner.waiting.remove(&key);
+            let placed = self.place_chunk(inner, key.0, key.1, offset);
+            inner.placed.insert(key, placed);
+        }
     }
 
     /// Places every writer's block of a chunk whose ring region starts at `offset`; returns
@@ -295,6 +326,7 @@ impl DecodeStager {
 
     /// Ends a chunk's placements; returns the bytes each writer's block took in place.
     fn unplace_chunk(&self, inner: &mut Inner, room: Room, chunk_idx: u32) -> Vec<u64> {
+        inner.waiting.remove(&(room, chunk_idx));
         let placed = inner.placed.remove(&(room, chunk_idx)).unwrap_or_default();
         let Some(plane) = &self.plane else {
             return Vec::new();
@@ -324,6 +356,8 @@ impl DecodeStager {
                 None => Err(DecodeError::UnknownRoom(job.room).into()),
             };
             out.extend(inner.state.on_scatter_done(job.room, job.chunk_idx)?);
+            // The freed region may clear a waiting chunk, before the watermark goes out.
+            self.place_waiting(&mut inner);
             scattered?;
             self.scattered.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("kvx_decode_staged_chunks_total").increment(1);
@@ -482,9 +516,8 @@ impl DecodeStager {
         let drained = inner.state.room_drained(room) && !inner.state.room_oversized(room);
         inner.rooms.remove(&room);
         // Writes still arriving for the room's chunks land in their (fenced) ring regions.
-        let chunks: Vec<u32> = inner
-            .placed
-            .keys()
+        let chunks: Vec<u32> = (inner.placed.keys())
+            .chain(inner.waiting.keys())
             .filter(|(r, _)| *r == room)
             .map(|&(_, c)| c)
             .collect();
@@ -496,12 +529,16 @@ impl DecodeStager {
         } else {
             inner.state.abort_room(room)
         };
+        self.place_waiting(&mut inner);
         (outgoing(actions), drained)
     }
 
     /// Frees a failed room's fenced regions (its grace period is over).
     pub fn release_fenced(&self, room: Room) -> Vec<Outgoing> {
-        outgoing(lock(&self.inner).state.release_fenced(room))
+        let mut inner = lock(&self.inner);
+        let actions = inner.state.release_fenced(room);
+        self.place_waiting(&mut inner);
+        outgoing(actions)
     }
 
     /// Chunks landed in rooms' pages so far (scattered from the ring or received in place).

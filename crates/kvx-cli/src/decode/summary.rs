@@ -34,8 +34,10 @@ pub struct Summary {
     pub failure_reasons: HashMap<String, usize>,
     /// Rooms that failed or arrived corrupt, in request order.
     pub unverified_rooms: Vec<u64>,
-    /// Chunks that arrived through the staging ring and were scattered (0 without staging).
+    /// Chunks that arrived through the staging ring (0 without staging).
     pub staged_chunks: u64,
+    /// Of their bytes, those received straight into the pages (not scattered from the ring).
+    pub staged_bytes_in_place: u64,
     /// Messages at the decode's inbox that were malformed (dropped by the inbox or refused by
     /// the parser) or of a kind it does not use; every one dropped.
     pub dropped_messages: u64,
@@ -99,6 +101,7 @@ impl Summary {
             out.bytes += r.bytes;
             out.seconds = out.seconds.max(r.seconds);
             out.staged_chunks += r.staged_chunks;
+            out.staged_bytes_in_place += r.staged_bytes_in_place;
             out.dropped_messages += r.dropped_messages;
             out.aborted_rooms += r.aborted_rooms;
             out.abort_acked_rooms += r.abort_acked_rooms;

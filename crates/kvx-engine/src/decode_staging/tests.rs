@@ -53,6 +53,10 @@ struct Rig {
 
 impl Rig {
     fn new(in_place: bool) -> Rig {
+        Rig::with_ring(in_place, 8 << 20)
+    }
+
+    fn with_ring(in_place: bool, ring_bytes: usize) -> Rig {
         let l = layout();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -60,7 +64,7 @@ impl Rig {
             .build()
             .unwrap();
         let kv = Arc::new(Region::new(l.pool_bytes() as usize));
-        let ring = Arc::new(Region::new(8 << 20));
+        let ring = Arc::new(Region::new(ring_bytes));
         let plane = rt
             .block_on(TcpTransport::bind("127.0.0.1:0", TcpConfig::default()))
             .unwrap();
@@ -241,4 +245,37 @@ fn a_failed_room_ends_its_placements_and_later_writes_land_in_the_ring() {
         .unwrap();
     assert_eq!(rig.ring.to_vec(at, 4096).unwrap(), vec![0xab; 4096]);
     assert!(rig.pages().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_chunk_over_a_live_region_is_placed_only_once_that_region_is_freed() {
+    // Chunk 0 (4 pages, 1 MiB) at [0, 1 MiB); chunk 1 (2 pages) does not fit before the end of
+    // a 1.25 MiB ring and wraps onto chunk 0's bytes.
+    let mut placed = Rig::with_ring(true, 5 << 18);
+    let mut ring = Rig::with_ring(false, 5 << 18);
+    for rig in [&mut placed, &mut ring] {
+        assert_eq!(rig.request(0, 4), 0);
+        assert_eq!(rig.request(1, 2), 0);
+    }
+    {
+        let inner = lock(&placed.stager.inner);
+        assert_eq!(inner.placed.len(), 1);
+        assert!(
+            inner.waiting.contains_key(&(room(), 1)),
+            "placed over a live region"
+        );
+    }
+    // Chunk 0's bytes (through the shared range) land in chunk 0's pages; freeing its region
+    // places chunk 1, whose bytes then land in place too.
+    for rig in [&mut placed, &mut ring] {
+        rig.write_chunk(0, 0, 4, Via::Tcp).unwrap();
+    }
+    assert!(lock(&placed.stager.inner).placed.contains_key(&(room(), 1)));
+    for rig in [&mut placed, &mut ring] {
+        rig.write_chunk(1, 4, 2, Via::Tcp).unwrap();
+    }
+    assert!(placed.pages() == ring.pages(), "pages differ");
+    assert_eq!(placed.stager.placed_bytes(), 6 * layout().bytes_per_page());
+    let inner = lock(&placed.stager.inner);
+    assert!(inner.placed.is_empty() && inner.waiting.is_empty());
 }
