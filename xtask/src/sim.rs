@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 8] = [
+pub const MUTANTS: [&str; 9] = [
     "late-write",
     "early-ack",
     "lost-status",
@@ -17,6 +17,7 @@ pub const MUTANTS: [&str; 8] = [
     "early-slot-reuse",
     "ignore-watermark",
     "early-exit",
+    "place-over-live",
 ];
 
 /// Options of `cargo xtask sim`.

@@ -40,11 +40,14 @@ pub enum Inv {
     ScatterOwnBytes,
     /// A staged room's decode Success comes only once every chunk was scattered into its pages.
     StagedSuccessDrained,
+    /// A staged write the decode receives in place (a placed ring slot) goes into the pages of
+    /// its own chunk, and each writer's block arrives wholly in place or wholly in the ring.
+    PlacedWriteOwnChunk,
 }
 
 impl Inv {
     /// Every invariant, in report order.
-    pub const ALL: [Inv; 13] = [
+    pub const ALL: [Inv; 14] = [
         Inv::StatusMonotonic,
         Inv::TerminalInTime,
         Inv::OutcomeDelivered,
@@ -58,6 +61,7 @@ impl Inv {
         Inv::RingWriteInLiveSlot,
         Inv::ScatterOwnBytes,
         Inv::StagedSuccessDrained,
+        Inv::PlacedWriteOwnChunk,
     ];
 
     /// The report name.
@@ -76,6 +80,7 @@ impl Inv {
             Inv::RingWriteInLiveSlot => "ring-write-in-live-slot",
             Inv::ScatterOwnBytes => "scatter-own-bytes",
             Inv::StagedSuccessDrained => "staged-success-drained",
+            Inv::PlacedWriteOwnChunk => "placed-write-own-chunk",
         }
     }
 }

@@ -58,6 +58,7 @@ fn main() -> ExitCode {
         total += out.steps;
         seeds += 1;
         stats.scattered += out.stats.scattered;
+        stats.in_place += out.stats.in_place;
         stats.sessions_lost += out.stats.sessions_lost;
         stats.aux_rows += out.stats.aux_rows;
         stats.state_slots += out.stats.state_slots;
@@ -99,9 +100,10 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks scattered, {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
+        stats.in_place,
         stats.sessions_lost,
         stats.aux_rows,
         stats.state_slots,

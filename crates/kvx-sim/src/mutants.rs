@@ -6,7 +6,9 @@
 //! instance reaches whatever process now listens at its address); `early-slot-reuse` breaks the
 //! simulated decode's staging driver (a ring slot freed before its copy-out) and
 //! `ignore-watermark` the prefill's (a chunk written before the watermark admits it: the world
-//! feeds kvx-engine's real driver a watermark past every placement with each `STAGING_RSP`); the
+//! feeds kvx-engine's real driver a watermark past every placement with each `STAGING_RSP`),
+//! `place-over-live` the decode's in-place receive (a slot placed as soon as it is granted, over
+//! an older slot whose chunk is still being written into the ring); the
 //! others arm test-only hooks (feature `sim-mutants` of kvx-core and kvx-engine, enabled by this
 //! crate's `mutants` feature): inside the real `PrefillManager` (`early-ack`, `lost-status`,
 //! `leak`) and the real `PrefillCore` (`early-exit`).
@@ -34,11 +36,14 @@ pub enum Mutant {
     /// The prefill core hands out a dead worker's fatal fault (and the rank exits) before the
     /// rank's batches drained.
     EarlyExit,
+    /// The decode places a staged slot (receives its writes straight into the pages) as soon
+    /// as it is granted, though an older live slot overlaps it.
+    PlaceOverLive,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 8] = [
+    pub const ALL: [Mutant; 9] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
@@ -47,6 +52,7 @@ impl Mutant {
         Mutant::EarlySlotReuse,
         Mutant::IgnoreWatermark,
         Mutant::EarlyExit,
+        Mutant::PlaceOverLive,
     ];
 
     /// The command-line name.
@@ -60,6 +66,7 @@ impl Mutant {
             Mutant::EarlySlotReuse => "early-slot-reuse",
             Mutant::IgnoreWatermark => "ignore-watermark",
             Mutant::EarlyExit => "early-exit",
+            Mutant::PlaceOverLive => "place-over-live",
         }
     }
 
@@ -76,6 +83,7 @@ impl Mutant {
                 | Mutant::AnyInstance
                 | Mutant::EarlySlotReuse
                 | Mutant::IgnoreWatermark
+                | Mutant::PlaceOverLive
         )
     }
 
@@ -88,6 +96,7 @@ impl Mutant {
             | Mutant::AnyInstance
             | Mutant::EarlySlotReuse
             | Mutant::IgnoreWatermark
+            | Mutant::PlaceOverLive
             | Mutant::EarlyExit => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),

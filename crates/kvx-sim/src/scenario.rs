@@ -82,6 +82,9 @@ pub struct StagingConfig {
     pub wait_timeout: Nanos,
     /// The gap between the two connects of one probe.
     pub probe_retry: Nanos,
+    /// The decodes receive staged blocks straight into the pages (kvx-engine's
+    /// `DecodeStagingConfig::in_place` over tcp) instead of scattering them from the ring.
+    pub in_place: bool,
 }
 
 impl Scenario {
@@ -189,6 +192,7 @@ impl Scenario {
                 ring_bytes,
                 wait_timeout: rng.range(2 * SEC, 5 * SEC),
                 probe_retry: 500 * MS,
+                in_place: false,
             });
             // Crashed decodes stay down long enough for the prefill's probes to notice (the
             // staged rooms waiting on them fail by `SessionLost`); one faulty staged seed in
@@ -204,6 +208,11 @@ impl Scenario {
         // restarts a worker that died.
         self.queues = rng.range(1, 3) as u32;
         self.restart_workers = rng.below(3) == 0;
+        // Drawn last, so that every draw above stays what it was: three staged seeds in four
+        // receive their blocks in place.
+        if let Some(s) = &mut self.staging {
+            s.in_place = rng.below(4) != 0;
+        }
     }
 
     /// A room must be terminal on every rank this long after it was spawned.

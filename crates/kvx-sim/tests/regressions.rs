@@ -95,11 +95,18 @@ fn ignore_watermark_is_caught() {
     caught(Mutant::IgnoreWatermark, Inv::RingWriteInLiveSlot);
 }
 
+#[test]
+fn place_over_live_is_caught() {
+    // An older chunk's bytes, still being written into the ring, go through a newer slot's
+    // placement into that chunk's pages.
+    caught(Mutant::PlaceOverLive, Inv::PlacedWriteOwnChunk);
+}
+
 /// Staged rooms, `SessionLost`, `AUX_DATA` over tcp, state slots, and the prefill core's worker
 /// paths (cancelled jobs skipped, workers restarted) run in the default budget's seeds.
 #[test]
 fn the_new_paths_are_exercised() {
-    let (mut ring, mut scatter, mut staged) = (0, 0, 0);
+    let (mut ring, mut scatter, mut staged, mut in_place) = (0, 0, 0, 0);
     let (mut skipped, mut restarts) = (0, 0);
     for seed in 0..40 {
         let out = run_seed(seed, None);
@@ -111,12 +118,13 @@ fn the_new_paths_are_exercised() {
         ring += out.checks[Inv::RingWriteInLiveSlot as usize];
         scatter += out.checks[Inv::ScatterOwnBytes as usize];
         staged += out.checks[Inv::StagedSuccessDrained as usize];
+        in_place += out.stats.in_place;
         skipped += out.stats.skipped_jobs;
         restarts += out.stats.worker_restarts;
     }
     assert!(
-        ring > 100 && scatter > 100 && staged > 100,
-        "{ring} {scatter} {staged}"
+        ring > 100 && scatter > 100 && staged > 100 && in_place > 100,
+        "{ring} {scatter} {staged} {in_place}"
     );
     assert!(skipped > 100 && restarts > 0, "{skipped} {restarts}");
 }

@@ -193,10 +193,32 @@ impl World {
             },
         );
         let slot = verdict.ok();
-        if let (Some(slot), false, false) = (slot, acked, told)
-            && let Some(st) = self.decodes[d as usize].stager.as_mut()
-        {
-            st.write(slot, op, bytes);
+        if acked || told {
+            return;
         }
+        let item = crate::memory::item_len(self.sc.decode_tp);
+        let dn = &mut self.decodes[d as usize];
+        let Some(st) = dn.stager.as_mut() else {
+            return;
+        };
+        // Where the decode's receiver puts it: by address, through a placement when one covers
+        // it (into the pages of the chunk that placement's slot was granted to), else the ring.
+        let routed = match (st.placed_slot(op), slot) {
+            (Some(placed), Some(slot)) if placed == slot => {
+                st.route(slot, op, bytes, dn.mem.kv_bufs_mut(), item)
+            }
+            (Some(placed), _) => Err(format!(
+                "it lands through slot {placed}'s placement, not in its own slot {slot:?}"
+            )),
+            (None, Some(slot)) => {
+                st.write(slot, op, bytes);
+                Ok(())
+            }
+            (None, None) => Ok(()),
+        };
+        self.check
+            .check(Inv::PlacedWriteOwnChunk, routed.is_ok(), Some(room), || {
+                format!("{}: {}", what(), routed.err().unwrap_or_default())
+            });
     }
 }

@@ -183,6 +183,8 @@ pub enum Ev {
         job: ScatterJob,
         /// The slot it was written in.
         slot: u64,
+        /// The bytes each writer's block took in place.
+        routed: Vec<u64>,
     },
 }
 
@@ -272,8 +274,10 @@ pub struct RoomRec {
 /// How often the rarer paths of a run were taken (so a test can tell they are exercised).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Staged chunks scattered from a ring into their pages.
+    /// Staged chunks landed in their pages (scattered from a ring or received in place).
     pub scattered: u64,
+    /// Writers' blocks of those chunks received in place.
+    pub in_place: u64,
     /// `PrefillEvent::SessionLost` reports (a probed decode was gone).
     pub sessions_lost: u64,
     /// `AUX_DATA` rows written into a decode.
@@ -687,7 +691,13 @@ impl World {
                 session,
                 retry,
             } => self.prefill_probe(p, inc, session, retry),
-            Ev::ScatterCopy { d, inc, job, slot } => self.decode_late_copy(d, inc, &job, slot),
+            Ev::ScatterCopy {
+                d,
+                inc,
+                job,
+                slot,
+                routed,
+            } => self.decode_late_copy(d, inc, &job, slot, &routed),
         }
     }
 
