@@ -66,6 +66,16 @@ pub enum Work {
     Stage(Box<StageWork>),
 }
 
+impl Work {
+    /// True for a staged chunk gathered on the CPU into the shard's staging buffer (a slice
+    /// that cuts token slots): it is posted alone, after everything posted before it, and
+    /// nothing starts beside it. Whole-slot chunks are written from the KV pages and pipeline
+    /// like batches.
+    pub fn uses_staging_buffer(&self) -> bool {
+        matches!(self, Work::Stage(w) if !w.spec.whole_slots())
+    }
+}
+
 /// The queue end a worker (and its replacement) reads.
 pub type JobQueue = Arc<Mutex<Receiver<Job>>>;
 
@@ -255,11 +265,12 @@ fn worker_loop<R: From<Report>>(
             drain(ctx, &mut sessions, &mut posted, &report);
             return None;
         }
-        // A staged chunk in flight owns the shard's staging buffer: nothing starts beside it.
+        // A chunk gathered into the shard's staging buffer owns it while in flight: nothing
+        // starts beside it.
         let room_for_more = posted.len() < DEPTH
             && !posted
                 .front()
-                .is_some_and(|(j, _)| matches!(j.work, Work::Stage(_)));
+                .is_some_and(|(j, _)| j.work.uses_staging_buffer());
         if room_for_more {
             let next = if posted.is_empty() {
                 lock(queue).recv_timeout(Duration::from_millis(100))
@@ -271,7 +282,7 @@ fn worker_loop<R: From<Report>>(
             };
             match next {
                 Ok(mut job) => {
-                    if matches!(job.work, Work::Stage(_))
+                    if job.work.uses_staging_buffer()
                         && !drain(ctx, &mut sessions, &mut posted, &report)
                     {
                         return None;

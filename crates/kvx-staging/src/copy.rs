@@ -73,6 +73,12 @@ impl SliceSpec {
             .saturating_mul(self.token_bytes())
     }
 
+    /// True when the slice is whole token slots of this side's pages (every head of a slot): it
+    /// is written page by page with [`gather_writes`], no gather and no staging buffer.
+    pub fn whole_slots(&self) -> bool {
+        self.slot().is_ok_and(|slot| self.token_bytes() == slot)
+    }
+
     fn slot(&self) -> Result<usize, CopyError> {
         if self.page_size == 0 || !self.item_len.is_multiple_of(self.page_size) {
             return Err(CopyError::Spec(

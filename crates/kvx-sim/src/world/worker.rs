@@ -1,6 +1,7 @@
 //! A prefill rank's transfer workers in the simulated world, played as kvx-engine's `worker.rs`
 //! runs them: one FIFO queue per shard (the core picks the shard), each worker keeping up to
-//! [`DEPTH`] jobs posted to the data plane — a staged chunk alone —, skipping a job whose room's
+//! [`DEPTH`] jobs posted to the data plane — a staged chunk gathered into the staging buffer
+//! alone —, skipping a job whose room's
 //! cancel flag (set by the core) is up when it takes it, and reporting each job to the core once
 //! the data plane answered it. A worker hit by a fatal fault stops taking jobs, answers what it
 //! posted, then reports its death; the core restarts it or buries its shard.
@@ -27,7 +28,7 @@ struct Shard {
     queue: VecDeque<u64>,
     /// Jobs posted to the data plane and not answered yet.
     posted: usize,
-    /// The posted job is a staged chunk (it runs alone).
+    /// The posted job is a staged chunk gathered into the staging buffer (it runs alone).
     alone: bool,
     /// A fatal fault hit the worker: it takes nothing more and dies once `posted` is 0.
     dying: bool,
@@ -147,7 +148,7 @@ impl World {
                 s.queue.pop_front();
                 continue;
             };
-            let staged = matches!(job.work, Work::Stage(_));
+            let staged = job.work.uses_staging_buffer();
             if (staged && s.posted > 0) || s.posted >= DEPTH {
                 return;
             }
