@@ -162,10 +162,10 @@ impl DecodeStager {
         })
     }
 
-    /// With `Some(plane)`, places each writer's block on `plane` (the data plane `ring` and the KV pool are
-    /// registered with) when its chunk gets a ring region, so that a backend whose own threads
-    /// receive (`tcp`) reads it straight into the pages; other backends' blocks are scattered
-    /// from the ring.
+    /// With `Some(plane)` (the data plane `ring` and the KV pool are registered with), places
+    /// each writer's block on it when its chunk gets a ring region, so that a backend whose own
+    /// threads receive (`tcp`) reads it straight into the pages; other backends' blocks (and all,
+    /// with `None`) are scattered from the ring.
     pub fn with_placement(mut self, plane: Option<Arc<dyn Transport>>) -> Self {
         self.plane = plane;
         self
@@ -317,7 +317,8 @@ impl DecodeStager {
                 _ => Ok(None),
             };
             placed.push(r.unwrap_or_else(|e| {
-                tracing::debug!(%room, chunk_idx, writer = w, error = %e, "block not placed; it is scattered from the ring");
+                let why = "block not placed; it is scattered from the ring";
+                tracing::debug!(%room, chunk_idx, writer = w, error = %e, "{why}");
                 None
             }));
         }

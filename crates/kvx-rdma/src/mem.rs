@@ -1170,8 +1170,18 @@ mod tests {
         /// those of the routed spans.
         #[test]
         fn routed_frames_stay_in_bounds(
-            places in proptest::collection::vec((0u64..0x1200, 1u64..0x300, 1u64..0x80, proptest::bool::ANY), 0..4),
-            writes in proptest::collection::vec((0usize..3, proptest::prop_oneof![0u64..0x3000, (u64::MAX - 8)..=u64::MAX], proptest::prop_oneof![0u64..0x600, (u64::MAX - 8)..=u64::MAX]), 0..8),
+            places in proptest::collection::vec(
+                (0u64..0x1200, 1u64..0x300, 1u64..0x80, proptest::bool::ANY),
+                0..4,
+            ),
+            writes in proptest::collection::vec(
+                (
+                    0usize..3,
+                    proptest::prop_oneof![0u64..0x3000, (u64::MAX - 8)..=u64::MAX],
+                    proptest::prop_oneof![0u64..0x600, (u64::MAX - 8)..=u64::MAX],
+                ),
+                0..8,
+            ),
         ) {
             let t = RegionTable::new();
             let ring = t.insert(0x1000, 0x1000).unwrap();

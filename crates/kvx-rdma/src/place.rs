@@ -2,10 +2,10 @@
 //!
 //! A decode that stages heterogeneous-TP chunks hands a prefill a range of its staging ring to
 //! write a block into, and then copies the block out of the ring into its KV pages. When the
-//! decode's own receive thread moves the bytes (the `tcp` backend), it can read the block straight
-//! into the pages instead: the decode places the ring range ([`Transport::place`](crate::Transport::place))
-//! with a [`Placement`] that names, for any byte range of the block, where those bytes belong. The
-//! wire is unchanged — the prefill still writes the ring addresses it was given — and writes that
+//! decode's own receive thread moves the bytes (the `tcp` backend), it can read the block
+//! straight into the pages instead: the decode places the ring range
+//! ([`Transport::place`](crate::Transport::place)) with a [`Placement`] that names, for any
+//! byte range of the block, where those bytes belong. The wire is unchanged — the prefill still writes the ring addresses it was given — and writes that
 //! bypass a receiver (RDMA, shared memory, another backend) land in the ring as before; how many
 //! bytes went through the placement ([`Transport::unplace`](crate::Transport::unplace)) tells the
 //! two apart.
