@@ -406,7 +406,8 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Any spec and page list: a typed error or a copy that stays inside every slice.
+        /// Any spec and page list: a typed error or a copy (a gather, a scatter, the gather's
+        /// writes, the scatter's map) that stays inside every slice.
         #[test]
         fn any_spec_is_refused_or_copies_in_bounds(
             page_size in edge(),
@@ -430,6 +431,18 @@ mod tests {
             if let Ok(Some(ops)) = gather_writes(&spec, &addrs, &pages, 1 << 40) {
                 let total: u64 = ops.iter().map(|o| o.len).sum();
                 proptest::prop_assert_eq!(total as usize, spec.block_len(2, pages.len()));
+            }
+            if let Ok(map) = crate::ScatterMap::new(&spec, &addrs, &pages) {
+                proptest::prop_assert_eq!(map.len() as usize, spec.block_len(2, pages.len()));
+                let (lo, hi) = map.bounds();
+                let mut total = 0;
+                for (off, len) in [(0, u64::MAX), (3, 1000), (map.len(), 8)] {
+                    total += map.pieces(off, len, |a, n| {
+                        assert!(a >= lo && a + n <= hi, "piece {a}+{n} outside {lo}..{hi}");
+                        assert!(addrs.iter().any(|&(b, l)| a >= b && a + n <= b + l as u64));
+                    });
+                }
+                proptest::prop_assert!(total <= map.len() + 1000);
             }
         }
 

@@ -193,41 +193,7 @@ mod tests {
         assert_eq!(got, vec![((1 << 20) + 16, 24), (1 << 20, 8)]);
     }
 
-    fn edge() -> impl proptest::strategy::Strategy<Value = usize> {
-        use proptest::prelude::*;
-        prop_oneof![0usize..=64, Just(usize::MAX), (usize::MAX / 4)..=usize::MAX]
-    }
-
     proptest::proptest! {
-        /// Any spec, buffers and pages (edge values included): a typed error, or a map whose
-        /// pieces stay inside its bounds and inside the buffers, never a panic.
-        #[test]
-        fn any_map_is_refused_or_in_bounds(
-            page_size in edge(),
-            bytes_per_head_token in edge(),
-            item_len in edge(),
-            head in edge(),
-            n_heads in edge(),
-            base in proptest::prop_oneof![0u64..1024, (u64::MAX - 4096)..=u64::MAX],
-            pages in proptest::collection::vec(-2i32..6, 0..4),
-            off in 0u64..2048,
-            len in proptest::prop_oneof![0u64..2048, proptest::strategy::Just(u64::MAX)],
-        ) {
-            let spec = SliceSpec { page_size, bytes_per_head_token, item_len, head, n_heads };
-            let bufs = [(base, 256usize), (base.wrapping_add(1 << 20), 256)];
-            if let Ok(map) = ScatterMap::new(&spec, &bufs, &pages) {
-                let (lo, hi) = map.bounds();
-                let mut total = 0;
-                let mapped = map.pieces(off, len, |a, n| {
-                    assert!(a >= lo && a + n <= hi, "piece {a}+{n} outside {lo}..{hi}");
-                    assert!(bufs.iter().any(|&(b, l)| a >= b && a + n <= b + l as u64));
-                    total += n;
-                });
-                proptest::prop_assert_eq!(mapped, total);
-                proptest::prop_assert!(mapped <= map.len());
-            }
-        }
-
         /// Any geometry, any cut of the block into received ranges: the pieces build exactly
         /// the pages `scatter` builds, and never leave the buffers.
         #[test]

@@ -152,14 +152,7 @@ impl Rig {
                 Via::Split => len / 2,
             };
             if tcp_len > 0 {
-                let ep = self.plane.endpoint();
-                let op = TransferOp::new(self.src.as_ptr() as u64, at, tcp_len as u64);
-                self.rt
-                    .block_on(async {
-                        let s = self.sender.connect(&ep).await?;
-                        s.write_batch(vec![op]).await
-                    })
-                    .unwrap();
+                self.tcp_write(at, tcp_len);
             }
             if tcp_len < len {
                 self.ring
@@ -177,6 +170,18 @@ impl Rig {
             out = self.stager.on_chunk_ready(&ready);
         }
         out.map(|_| ())
+    }
+
+    /// Writes `src[..len]` to `at` through the decode's data plane (a tcp batch of one op).
+    fn tcp_write(&self, at: u64, len: usize) {
+        let ep = self.plane.endpoint();
+        let op = TransferOp::new(self.src.as_ptr() as u64, at, len as u64);
+        self.rt
+            .block_on(async {
+                let s = self.sender.connect(&ep).await?;
+                s.write_batch(vec![op]).await
+            })
+            .unwrap();
     }
 
     fn pages(&self) -> Vec<u8> {
@@ -235,14 +240,7 @@ fn a_failed_room_ends_its_placements_and_later_writes_land_in_the_ring() {
     // A late write into the (fenced) region lands in the ring, not in the pages.
     rig.src[..4096].fill(0xab);
     let at = rig.ring.base() + off;
-    let op = TransferOp::new(rig.src.as_ptr() as u64, at, 4096);
-    let ep = rig.plane.endpoint();
-    rig.rt
-        .block_on(async {
-            let s = rig.sender.connect(&ep).await?;
-            s.write_batch(vec![op]).await
-        })
-        .unwrap();
+    rig.tcp_write(at, 4096);
     assert_eq!(rig.ring.to_vec(at, 4096).unwrap(), vec![0xab; 4096]);
     assert!(rig.pages().iter().all(|&b| b == 0));
 }
