@@ -61,7 +61,9 @@
 //! `..` — a field added later comes with a default that keeps the old behaviour.
 
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+// One `unsafe` block: registering an inbox socket's `ZMQ_FD` with tokio's reactor
+// (`sockets/inbox.rs`).
+#![deny(unsafe_code)]
 
 pub mod codec;
 #[cfg(feature = "net")]

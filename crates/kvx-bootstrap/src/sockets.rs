@@ -3,7 +3,9 @@
 //! * [`Inbox`]: a PULL socket bound to an explicit or random port (`RCVHWM=0`), read by a
 //!   dedicated thread that checks every message with the codec's inbox classification
 //!   ([`InboxKind`]) and hands the good ones to async code over a bounded channel; malformed
-//!   messages are logged, counted and dropped, and the loop lives on.
+//!   messages are logged, counted and dropped, and the loop lives on. [`Inbox::bind_async`]
+//!   reads it in the consumer's task instead, woken by tokio's reactor through the socket's
+//!   `ZMQ_FD` (a PULL socket never blocks a read: no thread needed, one hand-off less).
 //! * [`PushCache`]: PUSH sockets cached per endpoint with sglang's options ([`PushOptions`]),
 //!   recreated after a disconnect (monitor socket) or a failed send, bounded in number (least
 //!   recently used closed first) so a prefill cannot run out of file descriptors.
@@ -13,7 +15,7 @@
 //! up to 30 s, as sglang uses them), the disconnect monitor needs a second socket polled next to
 //! each PUSH, and sends must be totally ordered per endpoint. A plain thread that owns the
 //! sockets keeps all of that in one place, never blocks the tokio runtime, and costs one thread
-//! per inbox/outbox. IPv6 endpoints (`tcp://[::1]:p`) get `ZMQ_IPV6` on both sides.
+//! per outbox (and per inbox read with [`Inbox::bind`]). IPv6 endpoints (`tcp://[::1]:p`) get `ZMQ_IPV6` on both sides.
 //!
 //! ```
 //! use kvx_bootstrap::codec::{DecodeInbound, TransferStatus};

@@ -264,3 +264,63 @@ fn a_watched_endpoint_reports_its_peer_going_away() {
     assert!(!canary.contains(&ep), "the dropped socket is forgotten");
     assert!(canary.take_disconnected().is_empty(), "reported once");
 }
+
+/// An inbox read in its consumer's task (`bind_async`, no socket thread): malformed messages
+/// dropped and counted, the rest in order and byte-exact, nothing lost when a `recv` times out
+/// and is dropped mid-wait, none while the reader is busy elsewhere; refused off a runtime.
+#[test]
+fn inbox_read_in_task_keeps_order_and_survives_cancelled_receives() {
+    let ctx = ctx();
+    let cfg = InboxConfig::new("127.0.0.1", InboxKind::Decode);
+    assert!(matches!(
+        Inbox::bind_async(&ctx, cfg.clone()),
+        Err(SocketError::Reactor(_))
+    ));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut inbox = rt.block_on(async { Inbox::bind_async(&ctx, cfg).unwrap() });
+    assert!(inbox.blocking_recv().is_none(), "no blocking reads on it");
+    let ep = inbox.endpoint().clone();
+    let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 8);
+    let status = |n: u64| {
+        TransferStatus {
+            room: room(n),
+            status: KVPoll::Success,
+            prefill_rank: 0,
+            reason: None,
+        }
+        .encode()
+    };
+    rt.block_on(async {
+        // Nothing there yet: the receive times out and is dropped while waiting.
+        let idle = tokio::time::timeout(Duration::from_millis(50), inbox.recv()).await;
+        assert!(idle.is_err());
+        push.send(&ep, &[b"garbage".to_vec()]).unwrap();
+        for n in 1..=300 {
+            push.send(&ep, &status(n)).unwrap();
+            if n % 100 == 0 {
+                // The reader is busy elsewhere; messages queue in libzmq meanwhile.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        for n in 1..=300 {
+            let m = tokio::time::timeout(Duration::from_secs(20), inbox.recv())
+                .await
+                .expect("no message within 20 s")
+                .expect("inbox closed");
+            assert_eq!(m.to_vecs(), status(n), "message {n}");
+        }
+        // A wake-up with nothing behind it, then one more message.
+        let idle = tokio::time::timeout(Duration::from_millis(50), inbox.recv()).await;
+        assert!(idle.is_err());
+        push.send(&ep, &status(301)).unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(20), inbox.recv()).await;
+        assert_eq!(m.unwrap().unwrap().to_vecs(), status(301));
+    });
+    assert_eq!(inbox.stats().dropped(), 1);
+    assert_eq!(inbox.stats().received(), 301);
+    rt.block_on(async move { inbox.close() });
+}

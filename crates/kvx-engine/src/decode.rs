@@ -610,7 +610,7 @@ async fn start_peer(
         _ => None,
     };
     let ctx = zmq::Context::new();
-    let mut inbox = Inbox::bind(&ctx, InboxConfig::new(cfg.host.clone(), InboxKind::Decode))
+    let mut inbox = Inbox::bind_async(&ctx, InboxConfig::new(cfg.host.clone(), InboxKind::Decode))
         .context("binding the decode inbox")?;
     let (outbox, mut drops) = Outbox::reporting_disconnects(
         &ctx,

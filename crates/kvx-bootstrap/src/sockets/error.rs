@@ -26,6 +26,10 @@ pub enum SocketError {
     /// The socket thread is gone (closed or dropped).
     #[error("socket thread stopped")]
     Closed,
+    /// An inbox read in its consumer's task could not join the tokio runtime's reactor (no
+    /// runtime on this thread, or the registration failed).
+    #[error("registering the inbox with the tokio runtime: {0}")]
+    Reactor(std::io::Error),
 }
 
 impl SocketError {
@@ -47,6 +51,7 @@ impl SocketError {
             SocketError::SendTimeout { .. } => "send_timeout",
             SocketError::BadEndpoint(_) => "bad_endpoint",
             SocketError::Closed => "closed",
+            SocketError::Reactor(_) => "reactor",
         }
     }
 }
