@@ -4,7 +4,10 @@
 //! runtimes of `KVX_BENCH_WORKERS` threads each, default 2):
 //! - `memcpy`: one-thread copy of the bulk size (the same-host ceiling);
 //! - `socket-loop`: N plain blocking TCP connections, each `write_all`-ing its share of the bulk
-//!   buffer straight into a `read_exact` on the other side (N = the tcp backend's connections);
+//!   buffer straight into a `read_exact` on the other side (N = the tcp backend's connections),
+//!   connected afresh for each repetition;
+//! - `socket-loop warm`: the same over N connections kept from one repetition to the next, as the
+//!   tcp backend keeps its own (the kernel's autotuning has grown their buffers alike);
 //! - `tcp bulk`: the tcp backend writing the same bytes as one batch of one op;
 //! - `tcp kv p1` / `tcp kv p16`: Llama-3-8B KV (32 layers × K,V; 8 KV heads × 128 dim bf16 =
 //!   2 KiB per token per buffer), 4096 tokens, page size 1 or 16, destination pages fragmented
@@ -15,7 +18,8 @@
 //! socket loop's in the same repetition (robust to a noisy, shared machine), and the CPU the
 //! whole process spent on it per GiB (all repetitions, both sides of the copy; `/proc/self/stat`).
 //! Then that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection
-//! count, same bytes), and the KV rooms against the bulk write of the same transport
+//! count, same bytes) and against the warm loop (`tcp/socket-loop-warm ratio: X.XX`), and the KV
+//! rooms against the bulk write of the same transport
 //! (`kv p16/bulk ratio: X.XX`, `kv p1/bulk ratio: X.XX`).
 //! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
 //! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
@@ -24,7 +28,8 @@
 //! p50 / p99 of each and the ratio of the p50s (`latency 4KiB tcp/socket p50 ratio: X.XX`).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
-//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`; `KVX_BENCH_ONLY=socket|bulk|kv`
+//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`;
+//! `KVX_BENCH_ONLY=socket|warm|bulk|kv`
 //! runs one case alone, without the latency section (to profile it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -76,6 +81,45 @@ fn socket_loop(src: &[u8], dst: &mut [u8], conns: usize) -> Duration {
         }
     });
     start.elapsed()
+}
+
+/// Plain blocking TCP connections kept across repetitions (`socket-loop warm`).
+struct WarmLoop {
+    /// (sending end, receiving end) of each connection.
+    pairs: Vec<(TcpStream, TcpStream)>,
+}
+
+impl WarmLoop {
+    fn new(conns: usize) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let pairs = (0..conns.max(1))
+            .map(|_| {
+                let tx = TcpStream::connect(addr).unwrap();
+                tx.set_nodelay(true).unwrap();
+                (tx, listener.accept().unwrap().0)
+            })
+            .collect();
+        WarmLoop { pairs }
+    }
+
+    /// Each connection moves its share of `src` into the same share of `dst`.
+    fn run(&mut self, src: &[u8], dst: &mut [u8]) -> Duration {
+        let share = src.len().div_ceil(self.pairs.len());
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            let parts = src.chunks(share).zip(dst.chunks_mut(share));
+            for ((tx, rx), (chunk, out)) in self.pairs.iter_mut().zip(parts) {
+                scope.spawn(move || {
+                    for piece in chunk.chunks(4 << 20) {
+                        tx.write_all(piece).unwrap();
+                    }
+                });
+                scope.spawn(move || rx.read_exact(out).unwrap());
+            }
+        });
+        start.elapsed()
+    }
 }
 
 /// Small deterministic generator for the page shuffle.
@@ -344,13 +388,25 @@ fn main() {
             cpu: 0.0,
         });
     }
-    // `KVX_BENCH_ONLY=socket|bulk|kv`: run that case alone and skip the latency section (for
+    let warm_row = rows.len();
+    rows.push(Row {
+        name: format!("socket-loop warm x{conns}"),
+        bytes: bulk as u64,
+        ops: 1,
+        runs: Vec::new(),
+        cpu: 0.0,
+    });
+    // `KVX_BENCH_ONLY=socket|warm|bulk|kv`: run that case alone and skip the latency section (for
     // `strace -c -f` / `perf stat` of one case; the other rows stay empty).
     let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
     let runs = |case: &str| only.is_empty() || only == case;
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
     if runs("socket") {
         socket_loop(&src[..bulk], &mut dst[..bulk], conns);
+    }
+    let mut warm = runs("warm").then(|| WarmLoop::new(conns));
+    if let Some(w) = &mut warm {
+        w.run(&src[..bulk], &mut dst[..bulk]);
     }
     if only != "socket" {
         rt.block_on(session.write_batch(cases[0].1.clone()))
@@ -369,6 +425,13 @@ fn main() {
             rows[1].runs.push(t);
             rows[1].cpu += cpu_secs() - c;
         }
+        // Before the tcp cases: the KV bytes check below reads what the last of them left.
+        if let Some(w) = &mut warm {
+            let c = cpu_secs();
+            let t = w.run(&src[..bulk], &mut dst[..bulk]);
+            rows[warm_row].runs.push(t);
+            rows[warm_row].cpu += cpu_secs() - c;
+        }
         for (i, (_, ops)) in cases.iter().enumerate() {
             if !runs(if i == 0 { "bulk" } else { "kv" }) {
                 continue;
@@ -380,6 +443,7 @@ fn main() {
             rows[2 + i].cpu += cpu_secs() - c;
         }
     }
+    drop(warm);
     // Bytes check on the last KV case: the planned destination must equal the source.
     for op in cases[2].1.iter().filter(|_| runs("kv")) {
         let (so, doff) = ((op.src - s) as usize, (op.dst - d) as usize);
@@ -465,6 +529,10 @@ fn main() {
     println!(
         "tcp/socket-loop ratio: {:.2}",
         rows[2].paired_ratio(&rows[1])
+    );
+    println!(
+        "tcp/socket-loop-warm ratio: {:.2}",
+        rows[2].paired_ratio(&rows[warm_row])
     );
     // Issue 15 item 2: KV rooms (merged runs of fragmented pages) against the bulk write of the
     // same transport, paired per repetition.
