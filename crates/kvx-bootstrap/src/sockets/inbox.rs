@@ -216,48 +216,7 @@ impl Inbox {
             thread: None,
         })
     }
-}
 
-/// Binds a PULL socket per `cfg`: the socket, the endpoint peers connect to, the bound port.
-fn bind_socket(
-    ctx: &zmq::Context,
-    cfg: &InboxConfig,
-) -> Result<(zmq::Socket, Endpoint, u16), SocketError> {
-    {
-        let host = cfg.host.trim_start_matches('[').trim_end_matches(']');
-        let ipv6 = host.contains(':');
-        let addr = match cfg.port {
-            Some(p) => super::tcp_addr(host, p),
-            None if ipv6 => format!("tcp://[{host}]:*"),
-            None => format!("tcp://{host}:*"),
-        };
-        let sock = ctx
-            .socket(zmq::PULL)
-            .map_err(SocketError::zmq("socket", &addr))?;
-        sock.set_rcvhwm(0)
-            .map_err(SocketError::zmq("setsockopt RCVHWM", &addr))?;
-        sock.set_linger(0)
-            .map_err(SocketError::zmq("setsockopt LINGER", &addr))?;
-        sock.set_maxmsgsize(cfg.max_message_bytes.max(1))
-            .map_err(SocketError::zmq("setsockopt MAXMSGSIZE", &addr))?;
-        if ipv6 {
-            sock.set_ipv6(true)
-                .map_err(SocketError::zmq("setsockopt IPV6", &addr))?;
-        }
-        sock.bind(&addr).map_err(SocketError::zmq("bind", &addr))?;
-        let bound = sock
-            .get_last_endpoint()
-            .map_err(SocketError::zmq("getsockopt LAST_ENDPOINT", &addr))?
-            .map_err(|raw| SocketError::BadEndpoint(String::from_utf8_lossy(&raw).into_owned()))?;
-        let port = bound
-            .rsplit_once(':')
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-            .ok_or_else(|| SocketError::BadEndpoint(bound.clone()))?;
-        Ok((sock, Endpoint::new(host, port), port))
-    }
-}
-
-impl Inbox {
     /// Where peers connect (the host as configured, the bound port).
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
@@ -334,6 +293,43 @@ impl Drop for Inbox {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Binds a PULL socket per `cfg`: the socket, the endpoint peers connect to, the bound port.
+fn bind_socket(
+    ctx: &zmq::Context,
+    cfg: &InboxConfig,
+) -> Result<(zmq::Socket, Endpoint, u16), SocketError> {
+    let host = cfg.host.trim_start_matches('[').trim_end_matches(']');
+    let ipv6 = host.contains(':');
+    let addr = match cfg.port {
+        Some(p) => super::tcp_addr(host, p),
+        None if ipv6 => format!("tcp://[{host}]:*"),
+        None => format!("tcp://{host}:*"),
+    };
+    let sock = ctx
+        .socket(zmq::PULL)
+        .map_err(SocketError::zmq("socket", &addr))?;
+    sock.set_rcvhwm(0)
+        .map_err(SocketError::zmq("setsockopt RCVHWM", &addr))?;
+    sock.set_linger(0)
+        .map_err(SocketError::zmq("setsockopt LINGER", &addr))?;
+    sock.set_maxmsgsize(cfg.max_message_bytes.max(1))
+        .map_err(SocketError::zmq("setsockopt MAXMSGSIZE", &addr))?;
+    if ipv6 {
+        sock.set_ipv6(true)
+            .map_err(SocketError::zmq("setsockopt IPV6", &addr))?;
+    }
+    sock.bind(&addr).map_err(SocketError::zmq("bind", &addr))?;
+    let bound = sock
+        .get_last_endpoint()
+        .map_err(SocketError::zmq("getsockopt LAST_ENDPOINT", &addr))?
+        .map_err(|raw| SocketError::BadEndpoint(String::from_utf8_lossy(&raw).into_owned()))?;
+    let port = bound
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| SocketError::BadEndpoint(bound.clone()))?;
+    Ok((sock, Endpoint::new(host, port), port))
 }
 
 fn drop_message(
