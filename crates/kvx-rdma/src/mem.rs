@@ -514,7 +514,15 @@ impl RegionTable {
             let stop = p.end.min(end);
             Self::hold(rx, &p.dst);
             let (lo, hi) = p.bounds;
-            let mapped = p.map.pieces(at - start, stop - at, &mut |a, n| {
+            // The pieces never add up to more than the bytes asked for, whatever the map says:
+            // the targets must match the frame's payload byte for byte.
+            let mut left = stop - at;
+            p.map.pieces(at - start, stop - at, &mut |a, n| {
+                let n = n.min(left);
+                if n == 0 {
+                    return;
+                }
+                left -= n;
                 if a >= lo && a.checked_add(n).is_some_and(|e| e <= hi) {
                     f(
                         n,
@@ -527,10 +535,10 @@ impl RegionTable {
                     f(n, Err(RejectReason::OutOfBounds));
                 }
             });
-            if mapped < stop - at {
-                f(stop - at - mapped, Err(RejectReason::OutOfBounds));
+            if left > 0 {
+                f(left, Err(RejectReason::OutOfBounds));
             }
-            p.routed.fetch_add(mapped, Ordering::Relaxed);
+            p.routed.fetch_add(stop - at - left, Ordering::Relaxed);
             at = stop;
         }
         if at < end {
@@ -1077,6 +1085,46 @@ mod tests {
         let mut got = Vec::new();
         t.lease_keyed_frame(rx, writes.iter().copied(), |i, n, r| got.push((i, n, r)));
         got
+    }
+
+    /// A placement that names more bytes than asked for (a broken map).
+    struct Greedy;
+
+    impl Placement for Greedy {
+        fn len(&self) -> u64 {
+            0x100
+        }
+        fn bounds(&self) -> (u64, u64) {
+            (0x10000, 0x10100)
+        }
+        fn pieces(&self, _off: u64, len: u64, f: &mut dyn FnMut(u64, u64)) -> u64 {
+            f(0x10000, len + 0x40);
+            f(0x10000, 8);
+            len + 0x48
+        }
+    }
+
+    #[test]
+    fn a_map_naming_too_many_bytes_is_cut_to_the_write() {
+        let t = RegionTable::new();
+        let ring = t.insert(0x1000, 0x1000).unwrap();
+        t.insert(0x10000, 0x1000).unwrap();
+        t.place(0x1000, Arc::new(Greedy)).unwrap();
+        let rx = t.receiver(Arc::new(NoInterrupt));
+        let got = frame(&t, &rx, &[(ring, 0x1000, 0x20)]);
+        assert_eq!(
+            got,
+            vec![(
+                0,
+                0x20,
+                Ok(Span {
+                    addr: 0x10000,
+                    len: 0x20
+                })
+            )]
+        );
+        rx.release();
+        assert_eq!(t.unplace(0x1000), Some(0x20));
     }
 
     #[test]

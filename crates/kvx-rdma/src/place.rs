@@ -30,5 +30,7 @@ pub trait Placement: Send + Sync + 'static {
 
     /// Calls `f(addr, len)` for the destination ranges of bytes `[off, off + len)` of the placed
     /// range, in order; returns the bytes mapped (less than `len` only past the range's end).
+    /// The region table trusts neither the count nor the ranges: it cuts them to the bytes it
+    /// asked for, checks each against [`Placement::bounds`], and rejects the rest.
     fn pieces(&self, off: u64, len: u64, f: &mut dyn FnMut(u64, u64)) -> u64;
 }
