@@ -665,8 +665,9 @@ async fn start_peer(
                 Err(_) => {}
             }
         }
-        // Joining the socket thread waits for its poll interval: off the runtime's workers.
-        let _ = tokio::task::spawn_blocking(move || inbox.close()).await;
+        // The inbox is read in this task (no thread to join); closing takes its fd out of the
+        // reactor, then closes the socket.
+        inbox.close();
     });
 
     Ok((peer, plane))
