@@ -712,6 +712,26 @@ impl IoPart<'_> {
     }
 }
 
+/// Waits up to `timeout` for `fd` to have bytes to read (or an error or hang-up to report);
+/// false on timeout. Unlike a blocking `read`, which sleeps on the socket's one wait queue and
+/// is woken each time its send buffer drains, `poll` for `POLLIN` is woken only for input: the
+/// thread reading acknowledgements off a socket another thread writes bulk data into no longer
+/// wakes for every acknowledged segment.
+pub fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid `pollfd` on this stack frame, borrowed for the call only.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n > 0)
+}
+
 /// Most iovecs passed to one `writev`/`readv` (Linux `IOV_MAX` is 1024; fewer keeps the
 /// per-call iovec copy small while still moving about a socket buffer's worth per call).
 pub const MAX_IOV: usize = 256;

@@ -519,12 +519,30 @@ fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
         std::time::Duration::from_millis(1),
         std::time::Duration::from_millis(100),
     );
-    let _ = c.stream.set_read_timeout(Some(tick));
+    let fd = c.stream.as_raw_fd();
     loop {
         if c.is_dead.load(Ordering::Acquire) {
             return;
         }
-        match (&c.stream).read(&mut buf[have..]) {
+        // Wait for input with `poll`: a thread blocked in `read` would also be woken each time
+        // the writer's send buffer drains (one wait queue per socket).
+        let ready = match crate::mem::wait_readable(fd, tick) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => false,
+            Err(e) => {
+                c.fail(TransportError::PeerLost {
+                    peer: c.peer.clone(),
+                    detail: e.to_string(),
+                });
+                return;
+            }
+        };
+        let read = if ready {
+            (&c.stream).read(&mut buf[have..])
+        } else {
+            Err(std::io::ErrorKind::TimedOut.into())
+        };
+        match read {
             Ok(0) => {
                 c.fail(TransportError::PeerLost {
                     peer: c.peer.clone(),
