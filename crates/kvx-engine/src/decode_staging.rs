@@ -28,7 +28,7 @@ use kvx_rdma::{Placement, Transport};
 use kvx_staging::{
     ChunkGrid, ChunkReady, CopyError, DecodeAction, DecodeError, DecodeRoom, DecodeStaging,
     RoomGrid, RspPlacement, ScatterJob, ScatterMap, SliceSpec, StagedLayout, StagingReq,
-    TpGeometry,
+    TpGeometry, Writer,
 };
 
 use crate::model::KvLayout;
@@ -299,13 +299,7 @@ impl DecodeStager {
                 .checked_add(offset)
                 .and_then(|a| a.checked_add(layout.writer_offset(w, n)));
             let map = (|| {
-                let spec = SliceSpec {
-                    page_size: usize::try_from(l.page_size).ok()?,
-                    bytes_per_head_token: usize::try_from(l.head_bytes).ok()?,
-                    item_len: usize::try_from(l.item_len).ok()?,
-                    head: wr.dst_head as usize,
-                    n_heads: wr.heads as usize,
-                };
+                let spec = self.writer_spec(wr).ok()?;
                 ScatterMap::new(&spec, &buffers, chunk_pages)
                     .ok()
                     .filter(|m| !m.is_empty() && m.len() == layout.writer_bytes(w, n))
@@ -323,6 +317,22 @@ impl DecodeStager {
             }));
         }
         placed
+    }
+
+    /// How writer `wr`'s heads are cut out of this decode's pages (the scatter's and the
+    /// placement's geometry).
+    fn writer_spec(&self, wr: &Writer) -> Result<SliceSpec, StagingError> {
+        let l = &self.layout;
+        let usize_of = |v: u64| {
+            usize::try_from(v).map_err(|_| StagingError::Geometry("size overflows".into()))
+        };
+        Ok(SliceSpec {
+            page_size: usize_of(l.page_size)?,
+            bytes_per_head_token: usize_of(l.head_bytes)?,
+            item_len: usize_of(l.item_len)?,
+            head: wr.dst_head as usize,
+            n_heads: wr.heads as usize,
+        })
     }
 
     /// Ends a chunk's placements; returns the bytes each writer's block took in place.
@@ -391,19 +401,10 @@ impl DecodeStager {
                 u64::try_from(p).map_err(|_| StagingError::Geometry(format!("negative page {p}")))
             })
             .collect::<Result<Vec<u64>, _>>()?;
-        let usize_of = |v: u64| {
-            usize::try_from(v).map_err(|_| StagingError::Geometry("size overflows".into()))
-        };
         // Every writer's slice and block, checked before any byte moves.
         let mut writers = Vec::with_capacity(layout.writers.len());
         for (w, wr) in layout.writers.iter().enumerate() {
-            let spec = SliceSpec {
-                page_size: usize_of(l.page_size)?,
-                bytes_per_head_token: usize_of(l.head_bytes)?,
-                item_len: usize_of(l.item_len)?,
-                head: wr.dst_head as usize,
-                n_heads: wr.heads as usize,
-            };
+            let spec = self.writer_spec(wr)?;
             let off = job
                 .placement
                 .offset
