@@ -11,7 +11,13 @@
 //! - `tcp bulk`: the tcp backend writing the same bytes as one batch of one op;
 //! - `tcp kv p1` / `tcp kv p16`: Llama-3-8B KV (32 layers × K,V; 8 KV heads × 128 dim bf16 =
 //!   2 KiB per token per buffer), 4096 tokens, page size 1 or 16, destination pages fragmented
-//!   (pairs of pages shuffled), planned into merged ops, one batch per room.
+//!   (pairs of pages shuffled), planned into merged ops, one batch per room;
+//! - `tcp kv heads`: the same room as one prefill rank of a TP 2 → TP 1 pair writes it (head
+//!   slices): 4 of the 8 heads, 1 KiB per token per buffer, read end to end from the rank's pages
+//!   and written at a 2 KiB stride into the decode's (pages of 16 shuffled as above), one op per
+//!   token (131 072 ops of 1 KiB; half the room's bytes);
+//! - `memcpy heads`: those ops done with `memcpy` in one thread, the ceiling of that access
+//!   pattern on this host (a contiguous copy against 1 KiB pieces at a 2 KiB stride).
 //!
 //! Each case runs `KVX_BENCH_REPS` times (default 5), interleaved. The table shows the best and
 //! median throughput and, per case, the median over repetitions of its throughput divided by the
@@ -20,7 +26,9 @@
 //! Then that paired ratio for the bulk case: `tcp/socket-loop ratio: X.XX` (same connection
 //! count, same bytes) and against the warm loop (`tcp/socket-loop-warm ratio: X.XX`), and the KV
 //! rooms against the bulk write of the same transport
-//! (`kv p16/bulk ratio: X.XX`, `kv p1/bulk ratio: X.XX`).
+//! (`kv p16/bulk ratio: X.XX`, `kv p1/bulk ratio: X.XX`, `kv heads/bulk ratio: X.XX`), and
+//! what the head-slice pattern costs a plain copy (`memcpy heads/memcpy ratio: X.XX`): the
+//! receiver's kernel copy pays the same, so `kv heads/bulk` is read against it.
 //! Then single-write latency: for 4 KiB, 64 KiB and 1 MiB, `KVX_BENCH_LAT_WRITES` (default
 //! 1000) sequential writes of one op through the tcp backend (`block_on(write_batch)`, each
 //! waiting for its completion) against a plain blocking socket doing the same write followed by
@@ -29,7 +37,7 @@
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
 //! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`;
-//! `KVX_BENCH_ONLY=socket|warm|bulk|kv`
+//! `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`
 //! runs one case alone, without the latency section (to profile it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -168,6 +176,45 @@ fn plan_kv(src_base: u64, dst_base: u64, tokens: usize, page: usize) -> Vec<Tran
                 (j - i) as u64 * page_bytes,
             ));
             i = j;
+        }
+    }
+    ops
+}
+
+/// Plans one prefill rank's head slices of a TP 2 → TP 1 room (rank 0: the first half of each
+/// destination token row): `tokens` tokens in pages of 16, destination pages shuffled in pairs
+/// as in [`plan_kv`], one 1 KiB op per token and buffer (the source runs lie end to end, the
+/// destinations 2 KiB apart).
+fn plan_heads(src_base: u64, dst_base: u64, tokens: usize) -> Vec<TransferOp> {
+    const PAGE: usize = 16;
+    let half = (TOKEN_BYTES / 2) as u64;
+    // The destination page of each source page, from the paged plan's merged runs (buffer 0).
+    let page_bytes = (PAGE * TOKEN_BYTES) as u64;
+    let buf_bytes = (tokens * TOKEN_BYTES) as u64;
+    let mut dst_page = Vec::with_capacity(tokens / PAGE);
+    for op in plan_kv(0, 0, tokens, PAGE)
+        .iter()
+        .take_while(|op| op.src < buf_bytes)
+    {
+        let first = op.dst / page_bytes;
+        dst_page.extend(first..first + op.len / page_bytes);
+    }
+    let mut ops = Vec::with_capacity(2 * LAYERS * tokens);
+    for buf in 0..2 * LAYERS as u64 {
+        let (sb, db) = (
+            src_base + buf * tokens as u64 * half,
+            dst_base + buf * buf_bytes,
+        );
+        for (i, &dp) in dst_page.iter().enumerate() {
+            for t in 0..PAGE as u64 {
+                let token = i as u64 * PAGE as u64 + t;
+                let dst_token = dp * PAGE as u64 + t;
+                ops.push(TransferOp::new(
+                    sb + token * half,
+                    db + dst_token * TOKEN_BYTES as u64,
+                    half,
+                ));
+            }
         }
     }
     ops
@@ -361,6 +408,7 @@ fn main() {
         ("tcp bulk".into(), vec![TransferOp::new(s, d, bulk as u64)]),
         ("tcp kv p1".into(), plan_kv(s, d, tokens, 1)),
         ("tcp kv p16".into(), plan_kv(s, d, tokens, 16)),
+        ("tcp kv heads".into(), plan_heads(s, d, tokens)),
     ];
 
     let mut rows = vec![
@@ -396,7 +444,16 @@ fn main() {
         runs: Vec::new(),
         cpu: 0.0,
     });
-    // `KVX_BENCH_ONLY=socket|warm|bulk|kv`: run that case alone and skip the latency section (for
+    let heads_ops = &cases[3].1;
+    let memcpy_heads_row = rows.len();
+    rows.push(Row {
+        name: "memcpy heads".into(),
+        bytes: TransferOp::total_bytes(heads_ops),
+        ops: heads_ops.len(),
+        runs: Vec::new(),
+        cpu: 0.0,
+    });
+    // `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`: run that case alone and skip the latency section (for
     // `strace -c -f` / `perf stat` of one case; the other rows stay empty).
     let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
     let runs = |case: &str| only.is_empty() || only == case;
@@ -418,6 +475,17 @@ fn main() {
             dst[..bulk].copy_from_slice(&src[..bulk]);
             rows[0].runs.push(t.elapsed());
             rows[0].cpu += cpu_secs() - c;
+            let (t, c) = (Instant::now(), cpu_secs());
+            for op in heads_ops {
+                let (so, doff, n) = (
+                    (op.src - s) as usize,
+                    (op.dst - d) as usize,
+                    op.len as usize,
+                );
+                dst[doff..doff + n].copy_from_slice(&src[so..so + n]);
+            }
+            rows[memcpy_heads_row].runs.push(t.elapsed());
+            rows[memcpy_heads_row].cpu += cpu_secs() - c;
         }
         if runs("socket") {
             let c = cpu_secs();
@@ -433,7 +501,7 @@ fn main() {
             rows[warm_row].cpu += cpu_secs() - c;
         }
         for (i, (_, ops)) in cases.iter().enumerate() {
-            if !runs(if i == 0 { "bulk" } else { "kv" }) {
+            if !runs(["bulk", "kv", "kv", "heads"][i]) {
                 continue;
             }
             let ops = ops.clone();
@@ -444,8 +512,9 @@ fn main() {
         }
     }
     drop(warm);
-    // Bytes check on the last KV case: the planned destination must equal the source.
-    for op in cases[2].1.iter().filter(|_| runs("kv")) {
+    // Bytes check on the last KV case run: the planned destination must equal the source.
+    let last = if runs("heads") { 3 } else { 2 };
+    for op in cases[last].1.iter().filter(|_| runs("kv") || runs("heads")) {
         let (so, doff) = ((op.src - s) as usize, (op.dst - d) as usize);
         assert_eq!(
             &src[so..so + op.len as usize],
@@ -540,7 +609,7 @@ fn main() {
         rows.iter()
             .find(|r| r.name.split(" x").next() == Some(case))
     };
-    for case in ["tcp kv p16", "tcp kv p1"] {
+    for case in ["tcp kv p16", "tcp kv p1", "tcp kv heads"] {
         if let (Some(kv), Some(b)) = (row(case), row("tcp bulk")) {
             println!(
                 "{}/bulk ratio: {:.2}",
@@ -548,6 +617,9 @@ fn main() {
                 kv.paired_ratio(b)
             );
         }
+    }
+    if let (Some(h), Some(m)) = (row("memcpy heads"), row("memcpy")) {
+        println!("memcpy heads/memcpy ratio: {:.2}", h.paired_ratio(m));
     }
     println!();
     println!(
