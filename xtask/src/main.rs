@@ -225,8 +225,9 @@ fn test(root: &Path, venv: Option<std::thread::JoinHandle<Result<()>>>) -> Resul
 
 /// The examples `cargo xtask test` runs: (package, example, arguments). `engine_rooms` runs
 /// its staged TP 2 → TP 1 shape small: two prefill engines and an embedded decode engine with a
-/// staging ring (`DecodeEngineConfig::staging`), every byte verified.
-const EXAMPLES: [(&str, &str, &[&str]); 6] = [
+/// staging ring (`DecodeEngineConfig::staging`), every byte verified; then a few empty rooms and
+/// the control path's floor.
+const EXAMPLES: [(&str, &str, &[&str]); 7] = [
     ("kvx-core", "managers", &[]),
     ("kvx-bootstrap", "registration", &[]),
     ("kvx-staging", "ring", &[]),
@@ -249,6 +250,11 @@ const EXAMPLES: [(&str, &str, &[&str]); 6] = [
             "--chunked-prefill-size",
             "128",
         ],
+    ),
+    (
+        "kvx-cli",
+        "engine_rooms",
+        &["--model", "tiny", "--empty-rooms", "50"],
     ),
 ];
 

@@ -133,6 +133,12 @@ pub struct EngineRun {
     pub fill_s: f64,
     /// Seconds spent verifying (off the clock).
     pub verify_s: f64,
+    /// `memcpy` into the shape's destination pattern over a contiguous copy of the same bytes
+    /// (`None`: the pattern is contiguous).
+    pub copy_pattern_ratio: Option<f64>,
+    /// Empty rooms: the control path's floor on this host (a plain TCP write + ack, then one
+    /// ZMQ message), p50 and p99 in µs.
+    pub floor_us: Option<(f64, f64)>,
 }
 
 fn num(v: &Value, key: &str) -> Result<f64> {
@@ -150,10 +156,23 @@ impl EngineRun {
             .get("rooms")
             .and_then(Value::as_array)
             .context("`rooms` missing or not an array")?;
+        let optional = |key: &str| match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => num(&v, key).map(Some),
+        };
+        let floor_us = match v.get("floor") {
+            None | Some(Value::Null) => None,
+            Some(f) => Some((
+                num(f, "p50_us").context("floor")?,
+                num(f, "p99_us").context("floor")?,
+            )),
+        };
         let mut out = EngineRun {
             fill_s: num(&v, "fill_s")?,
             verify_s: num(&v, "verify_s")?,
             rooms: Vec::with_capacity(rooms.len()),
+            copy_pattern_ratio: optional("copy_pattern_ratio")?,
+            floor_us,
         };
         for (i, r) in rooms.iter().enumerate() {
             let fig = || -> Result<RoomFig> {
@@ -279,7 +298,11 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
          test (`kvx send --connections 2` into `kvx recv`, 1 MiB writes) moves the same bytes \
          just before and just after the engine run (link GB/s: their mean, so that the host's \
          drift during the row counts on both sides); ratio = engine GB/s / link GB/s (TP 2: \
-         2 ranks, so 4 connections in all against the link test's 2). Rerun with \
+         2 ranks, so 4 connections in all against the link test's 2). Copy pattern: after the \
+         rooms, a plain `memcpy` into the shape's destination pattern (TP 2 → TP 1: a rank's \
+         heads of each token, at a token row's stride) over a contiguous copy of the same \
+         bytes — what any copy into those pages pays on this host, the receiver's kernel copy \
+         included; read the TP 2 rows' ratio against it. Rerun with \
          `KVX_E2E_PARTS=engine cargo xtask bench e2e`.",
     );
     let table: Vec<Vec<String>> = rows
@@ -304,6 +327,9 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
                 ms(|f| f.wall_s, 0.99),
                 ms(|f| f.window_s, 0.5),
                 ms(|f| f.ready_s, 0.5),
+                s.copy_pattern_ratio
+                    .map(|c| format!("{c:.2}"))
+                    .unwrap_or_else(|| "contiguous".into()),
             ]
         })
         .collect();
@@ -321,6 +347,7 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
             "wall p99 ms",
             "window p50 ms",
             "ready p50 ms",
+            "copy pattern",
         ],
         &table,
     );
@@ -339,6 +366,15 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
             us(|f| f.wall_s, 0.5),
             us(|f| f.wall_s, 0.99),
         ));
+        if let Some((p50, p99)) = e.floor_us {
+            p.para(&format!(
+                "Floor of that path on this host, same run, no engine: a 64-byte write on a \
+                 plain TCP connection and its 8-byte acknowledgement (the aux row's write), then \
+                 one 3-frame ZMQ PUSH → PULL message seen by a blocked thread (the status): p50 \
+                 {p50:.0} µs, p99 {p99:.0} µs. The engines add their hand-offs between threads \
+                 (embedder → loop → transfer worker → loop; decode task → embedder) to it."
+            ));
+        }
     }
     if !left_out.is_empty() {
         p.para(&format!("Left out: {}.", left_out.join("; ")));
@@ -359,7 +395,8 @@ mod tests {
              "ready_s": 0.001, "window_s": 0.5, "control_s": 0.0001},
             {"room": 3, "verified": true, "bytes": 1000000000, "wall_s": 3.0,
              "ready_s": 0.002, "window_s": 1.5, "control_s": 0.0003}
-        ]
+        ],
+        "copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0}
     }"#;
 
     #[test]
@@ -374,6 +411,18 @@ mod tests {
         assert!((r.quantile(|f| f.wall_s, 0.5) - 1.0).abs() < 1e-12);
         assert!((r.quantile(|f| f.wall_s, 0.99) - 3.0).abs() < 1e-12);
         assert!((r.quantile(|f| f.control_s, 1.0) - 0.0003).abs() < 1e-12);
+        assert_eq!(r.copy_pattern_ratio, Some(0.5));
+        assert_eq!(r.floor_us, Some((90.0, 180.0)));
+        // Both are optional: an older example's output still parses.
+        let old = JSON.replacen(
+            r#""copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0}"#,
+            r#""copy_pattern_ratio": null"#,
+            1,
+        );
+        let r = EngineRun::parse(&old).expect("parses");
+        assert_eq!((r.copy_pattern_ratio, r.floor_us), (None, None));
+        let bad = JSON.replacen("\"p99_us\": 180.0", "\"p99_us\": \"x\"", 1);
+        assert!(EngineRun::parse(&bad).is_err());
     }
 
     #[test]
@@ -415,12 +464,13 @@ mod tests {
         }];
         let p = part(&rows, Some(&run), &["x failed".into()]);
         assert!(
-            p.md.contains("| Llama-3-8B TP1 | 4096 | 953.7 MiB | 2/2 | 0.50 | 1.00 | 2.00 | 0.25 | 1000.0 | 3000.0 | 500.0 | 1.0 |"),
+            p.md.contains("| Llama-3-8B TP1 | 4096 | 953.7 MiB | 2/2 | 0.50 | 1.00 | 2.00 | 0.25 | 1000.0 | 3000.0 | 500.0 | 1.0 | 0.50 |"),
             "{}",
             p.md
         );
         assert!(p.md.contains("p50 100 µs"), "{}", p.md);
         assert!(p.md.contains("p99 300 µs"), "{}", p.md);
+        assert!(p.md.contains("p50 90 µs, p99 180 µs"), "{}", p.md);
         assert!(p.md.contains("Left out: x failed."));
         assert!(p.md.contains("`e2e/link ratio: 0.25`"));
     }

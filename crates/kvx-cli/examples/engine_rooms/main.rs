@@ -16,6 +16,11 @@
 //! connections are up before the first measured room, and the decode pool is written once before
 //! it (a serving stack's pool is allocated and touched at start-up).
 //!
+//! After the rooms, with the engines stopped, it measures what the host allows ([`floors`]): for
+//! rooms, `memcpy` into the decode's destination pattern (a rank's heads of each token at the
+//! stride of a token row) against a contiguous copy; for empty rooms, the control path's floor
+//! (a plain TCP write + acknowledgement, then one ZMQ message).
+//!
 //! With `--timeline` it also records kvx-engine's per-room stage events
 //! (`kvx_engine::timeline`, through a tracing layer: [`timeline::Timeline`]) and prints where
 //! `control` goes, stage by stage (p50 / p99 per hand-off).
@@ -49,6 +54,7 @@ use kvx_engine::synthetic::SyntheticModel;
 use kvx_engine::synthetic::prefill_memory;
 use kvx_engine::synthetic::verify_room;
 
+mod floors;
 mod timeline;
 
 /// Flags.
@@ -501,6 +507,39 @@ fn main() -> Result<()> {
         pct(|r| r.control_s, 0.5) * 1e6,
         pct(|r| r.control_s, 0.99) * 1e6
     );
+    // Issue 15 item 7: no payload-sized copies means the process's peak resident memory stays
+    // near the memory the caller registered (both engines live in this one process). Read
+    // before the copy pattern below allocates its own buffers.
+    let peak = peak_rss_bytes();
+    // What the host allows, measured now that the engines are stopped.
+    let mut copy_ratio = None;
+    let mut floor = None;
+    if a.empty_rooms.is_some() {
+        let f = floors::control_floor(2000)?;
+        let us: Vec<f64> = f.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        let (p50, p99) = (percentile(&us, 0.5), percentile(&us, 0.99));
+        println!(
+            "floor: a plain TCP write + ack, then one ZMQ message: p50 {p50:.0} µs p99 {p99:.0} µs \
+             ({} rounds)",
+            us.len()
+        );
+        floor = Some(serde_json::json!({"p50_us": p50, "p99_us": p99}));
+    } else {
+        // A prefill rank's heads of one token in one buffer, at the decode's token-row stride.
+        let prefill0 = a.model.layout(a.tp_size, 0, a.page_size, 1);
+        let piece = prefill0.item_len / a.page_size;
+        let stride = dlayout.item_len / a.page_size;
+        if piece < stride {
+            let (strided, contiguous) =
+                floors::copy_pattern(usize::try_from(piece)?, usize::try_from(stride)?);
+            let r = strided / contiguous;
+            println!(
+                "copy pattern: memcpy into {piece} B pieces at a {stride} B stride {strided:.2} \
+                 GB/s, contiguous {contiguous:.2} GB/s (ratio {r:.2})"
+            );
+            copy_ratio = Some(r);
+        }
+    }
     let mut segments = Vec::new();
     if let Some(t) = &timeline {
         let ids: Vec<u64> = rooms.iter().map(|r| r.room).collect();
@@ -517,9 +556,6 @@ fn main() -> Result<()> {
             segments.push(serde_json::json!({"segment": name, "p50_us": p50, "p99_us": p99}));
         }
     }
-    // Issue 15 item 7: no payload-sized copies means the process's peak resident memory stays
-    // near the memory the caller registered (both engines live in this one process).
-    let peak = peak_rss_bytes();
     if let Some(peak) = peak {
         // Registered memory never touched (a staging buffer's unused tail) is not resident: the
         // difference may be negative.
@@ -543,6 +579,8 @@ fn main() -> Result<()> {
             "verify_s": verify_s,
             "rooms": rooms,
             "timeline": segments,
+            "copy_pattern_ratio": copy_ratio,
+            "floor": floor,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&out)?)
             .with_context(|| format!("--json {}", path.display()))?;
