@@ -139,6 +139,8 @@ pub struct EngineRun {
     /// Empty rooms: the control path's floor on this host (a plain TCP write + ack, then one
     /// ZMQ message), p50 and p99 in µs.
     pub floor_us: Option<(f64, f64)>,
+    /// The floor's parts at p50, µs: the write and its acknowledgement, then the message.
+    pub floor_parts_p50_us: Option<(f64, f64)>,
 }
 
 fn num(v: &Value, key: &str) -> Result<f64> {
@@ -160,12 +162,22 @@ impl EngineRun {
             None | Some(Value::Null) => Ok(None),
             Some(_) => num(&v, key).map(Some),
         };
-        let floor_us = match v.get("floor") {
-            None | Some(Value::Null) => None,
-            Some(f) => Some((
-                num(f, "p50_us").context("floor")?,
-                num(f, "p99_us").context("floor")?,
-            )),
+        let (floor_us, floor_parts_p50_us) = match v.get("floor") {
+            None | Some(Value::Null) => (None, None),
+            Some(f) => {
+                let parts = match (f.get("write_ack_p50_us"), f.get("message_p50_us")) {
+                    (Some(_), Some(_)) => Some((
+                        num(f, "write_ack_p50_us").context("floor")?,
+                        num(f, "message_p50_us").context("floor")?,
+                    )),
+                    _ => None,
+                };
+                let total = (
+                    num(f, "p50_us").context("floor")?,
+                    num(f, "p99_us").context("floor")?,
+                );
+                (Some(total), parts)
+            }
         };
         let mut out = EngineRun {
             fill_s: num(&v, "fill_s")?,
@@ -173,6 +185,7 @@ impl EngineRun {
             rooms: Vec::with_capacity(rooms.len()),
             copy_pattern_ratio: optional("copy_pattern_ratio")?,
             floor_us,
+            floor_parts_p50_us,
         };
         for (i, r) in rooms.iter().enumerate() {
             let fig = || -> Result<RoomFig> {
@@ -367,12 +380,18 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
             us(|f| f.wall_s, 0.99),
         ));
         if let Some((p50, p99)) = e.floor_us {
+            let parts = e
+                .floor_parts_p50_us
+                .map(|(w, m)| {
+                    format!(" (p50 of the parts: write + ack {w:.0} µs, message {m:.0} µs)")
+                })
+                .unwrap_or_default();
             p.para(&format!(
                 "Floor of that path on this host, same run, no engine: a 64-byte write on a \
                  plain TCP connection and its 8-byte acknowledgement (the aux row's write), then \
                  one 3-frame ZMQ PUSH → PULL message seen by a blocked thread (the status): p50 \
-                 {p50:.0} µs, p99 {p99:.0} µs. The engines add their hand-offs between threads \
-                 (embedder → loop → transfer worker → loop; decode task → embedder) to it."
+                 {p50:.0} µs, p99 {p99:.0} µs{parts}. The engines add their hand-offs between \
+                 threads (embedder → loop → transfer worker → loop; decode task → embedder) to it."
             ));
         }
     }
@@ -396,7 +415,8 @@ mod tests {
             {"room": 3, "verified": true, "bytes": 1000000000, "wall_s": 3.0,
              "ready_s": 0.002, "window_s": 1.5, "control_s": 0.0003}
         ],
-        "copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0}
+        "copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0,
+            "write_ack_p50_us": 40.0, "message_p50_us": 50.0}
     }"#;
 
     #[test]
@@ -413,14 +433,17 @@ mod tests {
         assert!((r.quantile(|f| f.control_s, 1.0) - 0.0003).abs() < 1e-12);
         assert_eq!(r.copy_pattern_ratio, Some(0.5));
         assert_eq!(r.floor_us, Some((90.0, 180.0)));
-        // Both are optional: an older example's output still parses.
+        assert_eq!(r.floor_parts_p50_us, Some((40.0, 50.0)));
+        // All optional: an older example's output still parses.
         let old = JSON.replacen(
-            r#""copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0}"#,
+            r#""copy_pattern_ratio": 0.5, "floor": {"p50_us": 90.0, "p99_us": 180.0,
+            "write_ack_p50_us": 40.0, "message_p50_us": 50.0}"#,
             r#""copy_pattern_ratio": null"#,
             1,
         );
         let r = EngineRun::parse(&old).expect("parses");
         assert_eq!((r.copy_pattern_ratio, r.floor_us), (None, None));
+        assert_eq!(r.floor_parts_p50_us, None);
         let bad = JSON.replacen("\"p99_us\": 180.0", "\"p99_us\": \"x\"", 1);
         assert!(EngineRun::parse(&bad).is_err());
     }
@@ -470,7 +493,13 @@ mod tests {
         );
         assert!(p.md.contains("p50 100 µs"), "{}", p.md);
         assert!(p.md.contains("p99 300 µs"), "{}", p.md);
-        assert!(p.md.contains("p50 90 µs, p99 180 µs"), "{}", p.md);
+        assert!(
+            p.md.contains(
+                "p50 90 µs, p99 180 µs (p50 of the parts: write + ack 40 µs, message 50 µs)"
+            ),
+            "{}",
+            p.md
+        );
         assert!(p.md.contains("Left out: x failed."));
         assert!(p.md.contains("`e2e/link ratio: 0.25`"));
     }

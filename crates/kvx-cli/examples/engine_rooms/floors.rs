@@ -45,9 +45,25 @@ pub fn copy_pattern(piece: usize, stride: usize) -> (f64, f64) {
     (gbps(strided), gbps(contiguous))
 }
 
+/// One round of [`control_floor`].
+#[derive(Clone, Copy, Debug)]
+pub struct FloorRound {
+    /// The write and its acknowledgement.
+    pub write_ack: Duration,
+    /// From the acknowledgement until the receiving thread had the ZMQ message.
+    pub message: Duration,
+}
+
+impl FloorRound {
+    /// The whole round.
+    pub fn total(&self) -> Duration {
+        self.write_ack + self.message
+    }
+}
+
 /// `rounds` times: a 64-byte write on a plain TCP connection and its 8-byte acknowledgement,
-/// then a 3-frame ZMQ message until the receiving thread has it; the durations, sorted.
-pub fn control_floor(rounds: usize) -> Result<Vec<Duration>> {
+/// then a 3-frame ZMQ message until the receiving thread has it.
+pub fn control_floor(rounds: usize) -> Result<Vec<FloorRound>> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let mut tx = TcpStream::connect(listener.local_addr()?)?;
     tx.set_nodelay(true)?;
@@ -81,16 +97,20 @@ pub fn control_floor(rounds: usize) -> Result<Vec<Duration>> {
         }
     });
     let status: [&[u8]; 3] = [b"1234567", b"2", b"0"];
-    let mut once = || -> Result<Duration> {
+    let mut once = || -> Result<FloorRound> {
         let t = Instant::now();
         tx.write_all(&[7u8; 64])?;
         let mut ack = [0u8; 8];
         tx.read_exact(&mut ack)?;
+        let acked = Instant::now();
         push.send_multipart(status, 0)?;
         let at = seen
             .recv_timeout(Duration::from_secs(5))
             .context("the ZMQ message did not arrive")?;
-        Ok(at.saturating_duration_since(t))
+        Ok(FloorRound {
+            write_ack: acked - t,
+            message: at.saturating_duration_since(acked),
+        })
     };
     for _ in 0..50 {
         once()?;
@@ -103,6 +123,5 @@ pub fn control_floor(rounds: usize) -> Result<Vec<Duration>> {
     let _ = tx.shutdown(std::net::Shutdown::Both);
     let _ = receiver.join();
     let _ = acker.join();
-    out.sort_unstable();
     Ok(out)
 }

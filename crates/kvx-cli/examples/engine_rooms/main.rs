@@ -515,15 +515,26 @@ fn main() -> Result<()> {
     let mut copy_ratio = None;
     let mut floor = None;
     if a.empty_rooms.is_some() {
-        let f = floors::control_floor(2000)?;
-        let us: Vec<f64> = f.iter().map(|d| d.as_secs_f64() * 1e6).collect();
-        let (p50, p99) = (percentile(&us, 0.5), percentile(&us, 0.99));
+        let rounds = floors::control_floor(2000)?;
+        let us = |f: fn(&floors::FloorRound) -> Duration| {
+            let mut v: Vec<f64> = rounds.iter().map(|r| f(r).as_secs_f64() * 1e6).collect();
+            v.sort_by(f64::total_cmp);
+            (percentile(&v, 0.5), percentile(&v, 0.99))
+        };
+        let (p50, p99) = us(|r| r.total());
+        let (w50, w99) = us(|r| r.write_ack);
+        let (m50, m99) = us(|r| r.message);
         println!(
             "floor: a plain TCP write + ack, then one ZMQ message: p50 {p50:.0} µs p99 {p99:.0} µs \
-             ({} rounds)",
-            us.len()
+             (write + ack p50 {w50:.0} p99 {w99:.0}, message p50 {m50:.0} p99 {m99:.0}; {} \
+             rounds)",
+            rounds.len()
         );
-        floor = Some(serde_json::json!({"p50_us": p50, "p99_us": p99}));
+        floor = Some(serde_json::json!({
+            "p50_us": p50, "p99_us": p99,
+            "write_ack_p50_us": w50, "write_ack_p99_us": w99,
+            "message_p50_us": m50, "message_p99_us": m99,
+        }));
     } else {
         // A prefill rank's heads of one token in one buffer, at the decode's token-row stride.
         let prefill0 = a.model.layout(a.tp_size, 0, a.page_size, 1);
