@@ -20,6 +20,11 @@ const GRID: &[&str] = &["--staging", "--chunked-prefill-size", "64"];
 /// The `tp` ranks of a prefill instance; rank 0 serves the bootstrap server (and /metrics) on
 /// `port`. Returns once every rank registered (the server answers route queries only then).
 fn prefill(port: u16, tp: u32, extra: &[&str]) -> Vec<Proc> {
+    prefill_env(port, tp, extra, &[])
+}
+
+/// [`prefill`] with `env` set on every rank (failpoints).
+fn prefill_env(port: u16, tp: u32, extra: &[&str], env: &[(&str, &str)]) -> Vec<Proc> {
     let procs = (0..tp)
         .map(|rank| {
             let (tp, r) = (tp.to_string(), rank.to_string());
@@ -36,6 +41,7 @@ fn prefill(port: u16, tp: u32, extra: &[&str]) -> Vec<Proc> {
                     .args(GRID)
                     .args(["--tp-size", &tp, "--tp-rank", &r, "--chunk-pages", "3"])
                     .args(extra)
+                    .envs(env.iter().copied())
                     .env("RUST_LOG", "warn"),
             )
         })
@@ -176,16 +182,26 @@ fn oversized_chunks_fail_their_rooms_and_the_prefill_serves_on() {
     assert_verified(&out, &sb, 10);
 }
 
+/// The fault must strike rooms in flight: every job holds its transfer worker 150 ms before it
+/// writes (failpoint), so a room seen staging on rank 0 is still there when the decode dies a
+/// few milliseconds later. Without it the decode (its pool takes three of these rooms at a
+/// time) was now and then killed between rooms, with nothing in flight to fail.
+#[cfg(feature = "failpoints")]
 #[test]
 fn killed_decode_mid_staging_leaves_nothing_behind() {
     let port = free_port();
     // A wait timeout far beyond the guard: the staged rooms must fail because their decode is
     // gone (a failed write, or the probe of its inbox when nothing was in flight), not by it.
-    let _p = prefill(port, 2, &["--staging-wait-timeout", "600"]);
+    let _p = prefill_env(
+        port,
+        2,
+        &["--staging-wait-timeout", "600"],
+        &[("FAILPOINTS", "kvx::transfer_worker::batch=sleep(150)")],
+    );
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.json"), dir.path().join("b.json"));
     let mut victim = decode(port, &sa, 1, 0, 12, ENDLESS_LOAD);
-    wait_until(Duration::from_secs(30), "staged chunks flowing", || {
+    wait_until(Duration::from_secs(60), "staged chunks flowing", || {
         let m = metrics(port);
         metric_sum(&m, "kvx_staged_chunks_posted_total") >= 10.0
             && metric_sum(&m, "kvx_staging_rooms") >= 1.0
