@@ -38,7 +38,8 @@
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
 //! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`;
 //! `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`
-//! runs one case alone, without the latency section (to profile it).
+//! runs one case alone, without the latency section (to profile it); the rows left out are not
+//! printed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -581,7 +582,8 @@ fn main() {
         "| case | bytes | ops | best ms | best GB/s | median GB/s | vs socket loop (median of paired runs) | CPU ms per GiB |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    for r in &rows {
+    // Rows `KVX_BENCH_ONLY` left out have no runs: not printed.
+    for r in rows.iter().filter(|r| !r.runs.is_empty()) {
         println!(
             "| {} | {} MiB | {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0} |",
             r.name,
