@@ -59,6 +59,7 @@ fn main() -> ExitCode {
         seeds += 1;
         stats.scattered += out.stats.scattered;
         stats.in_place += out.stats.in_place;
+        stats.mixed_chunks += out.stats.mixed_chunks;
         stats.sessions_lost += out.stats.sessions_lost;
         stats.aux_rows += out.stats.aux_rows;
         stats.state_slots += out.stats.state_slots;
@@ -100,10 +101,11 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.in_place,
+        stats.mixed_chunks,
         stats.sessions_lost,
         stats.aux_rows,
         stats.state_slots,

@@ -85,6 +85,11 @@ pub struct StagingConfig {
     /// The decodes receive staged blocks straight into the pages (kvx-engine's
     /// `DecodeStagingConfig::in_place` over tcp) instead of scattering them from the ring.
     pub in_place: bool,
+    /// With `in_place`: the prefill ranks (bit `p` for TP rank `p`) whose writes reach the
+    /// decodes around their tcp receivers (RDMA, shared memory, a Mooncake TE writer), so that
+    /// no placement routes them: their blocks land in the ring and are scattered from it, beside
+    /// the other writers' blocks of the same chunk received in place.
+    pub around: u32,
 }
 
 impl Scenario {
@@ -193,6 +198,7 @@ impl Scenario {
                 wait_timeout: rng.range(2 * SEC, 5 * SEC),
                 probe_retry: 500 * MS,
                 in_place: false,
+                around: 0,
             });
             // Crashed decodes stay down long enough for the prefill's probes to notice (the
             // staged rooms waiting on them fail by `SessionLost`); one faulty staged seed in
@@ -209,9 +215,14 @@ impl Scenario {
         self.queues = rng.range(1, 3) as u32;
         self.restart_workers = rng.below(3) == 0;
         // Drawn last, so that every draw above stays what it was: three staged seeds in four
-        // receive their blocks in place.
+        // receive their blocks in place, and half of those have some prefill ranks (not all,
+        // where there are several) writing around the receivers.
         if let Some(s) = &mut self.staging {
             s.in_place = rng.below(4) != 0;
+            if s.in_place && rng.below(2) == 0 {
+                let all = (1u64 << self.prefill_tp) - 1;
+                s.around = rng.range(1, all.saturating_sub(1).max(1)) as u32;
+            }
         }
     }
 

@@ -203,7 +203,10 @@ impl World {
         };
         // Where the decode's receiver puts it: by address, through a placement when one covers
         // it (into the pages of the chunk that placement's slot was granted to), else the ring.
-        let routed = match (st.placed_slot(op), slot) {
+        // A rank writing around the receiver always lands in the ring.
+        let around = self.sc.staging.is_some_and(|c| c.around & (1 << p) != 0);
+        let placed = if around { None } else { st.placed_slot(op) };
+        let routed = match (placed, slot) {
             (Some(placed), Some(slot)) if placed == slot => {
                 st.route(slot, op, bytes, dn.mem.kv_bufs_mut(), item)
             }

@@ -278,6 +278,9 @@ pub struct Stats {
     pub scattered: u64,
     /// Writers' blocks of those chunks received in place.
     pub in_place: u64,
+    /// Chunks with blocks of both kinds: some received in place, some scattered from the ring
+    /// (their writers wrote around the receiver).
+    pub mixed_chunks: u64,
     /// `PrefillEvent::SessionLost` reports (a probed decode was gone).
     pub sessions_lost: u64,
     /// `AUX_DATA` rows written into a decode.

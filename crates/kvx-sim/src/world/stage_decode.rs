@@ -18,6 +18,9 @@
 //! routed by address, as the engine's receiver routes it — so a write routed into another
 //! chunk's pages ([`Inv::PlacedWriteOwnChunk`]) is seen; at the copy-out the blocks that arrived
 //! in place are skipped. The `place-over-live` mutant places a slot as soon as it is granted.
+//! Some seeds have prefill ranks that write around the receiver (RDMA, shared memory, a
+//! Mooncake TE writer: `StagingConfig::around`): their blocks land in the ring even where a
+//! placement covers it, and are scattered from there beside the in-place blocks of the chunk.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -491,6 +494,9 @@ impl World {
             });
         self.stats.scattered += 1;
         self.stats.in_place += (layout.writers.len() - copied.len()) as u64;
+        if !copied.is_empty() && copied.len() < layout.writers.len() {
+            self.stats.mixed_chunks += 1;
+        }
         let (start, count) = (job.page_start as usize, job.num_pages as usize);
         let Some(chunk_pages) = pages.get(start..start + count) else {
             return;
