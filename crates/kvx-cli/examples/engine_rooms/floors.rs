@@ -79,12 +79,16 @@ pub fn control_floor(rounds: usize) -> Result<Vec<FloorRound>> {
     });
     let ctx = zmq::Context::new();
     let pull = ctx.socket(zmq::PULL)?;
+    // A receiver left waiting (a round failed) stops after 2 s idle, closing its socket so that
+    // the context can end; the PUSH socket drops what it still holds at close.
+    pull.set_rcvtimeo(2000)?;
     pull.bind("tcp://127.0.0.1:*")?;
     let addr = pull
         .get_last_endpoint()?
         .ok()
         .context("PULL socket address")?;
     let push = ctx.socket(zmq::PUSH)?;
+    push.set_linger(0)?;
     push.connect(&addr)?;
     let (seen_tx, seen) = mpsc::channel::<Instant>();
     let receiver = std::thread::spawn(move || {
@@ -112,16 +116,17 @@ pub fn control_floor(rounds: usize) -> Result<Vec<FloorRound>> {
             message: at.saturating_duration_since(acked),
         })
     };
-    for _ in 0..50 {
-        once()?;
-    }
-    let mut out = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        out.push(once()?);
-    }
-    push.send(&b"STOP"[..], 0)?;
+    let mut run = || -> Result<Vec<FloorRound>> {
+        for _ in 0..50 {
+            once()?;
+        }
+        (0..rounds).map(|_| once()).collect()
+    };
+    let out = run();
+    // Both helper threads end whatever happened: the STOP (or the receive timeout), then EOF.
+    let _ = push.send(&b"STOP"[..], 0);
     let _ = tx.shutdown(std::net::Shutdown::Both);
     let _ = receiver.join();
     let _ = acker.join();
-    Ok(out)
+    out
 }
