@@ -5,6 +5,17 @@ use kvx_sim::invariants::Inv;
 use kvx_sim::mutants::Mutant;
 use kvx_sim::run_seed;
 
+/// Runs `seed` with no mutant; panics naming it on any violation.
+fn run_clean(seed: u64) -> kvx_sim::SeedOutcome {
+    let out = run_seed(seed, None);
+    assert!(
+        out.violations.is_empty(),
+        "seed {seed}: {:?}",
+        out.violations
+    );
+    out
+}
+
 /// 28158 (the long profile, before restart storms were drawn): metadata a decode sent before it
 /// crashed reached a prefill rank after the decode restarted on the same address, and that
 /// rank's first chunk for the room went to the new process (kvx-rdma: listeners name their
@@ -41,12 +52,7 @@ fn seeds_found_on_the_way_stay_clean() {
     for seed in [
         7, 9, 28, 40, 51, 65, 71, 90, 106, 121, 134, 1994, 8348, 28158,
     ] {
-        let out = run_seed(seed, None);
-        assert!(
-            out.violations.is_empty(),
-            "seed {seed}: {:?}",
-            out.violations
-        );
+        let out = run_clean(seed);
         assert!(out.steps > 100, "seed {seed} ran {} steps", out.steps);
     }
 }
@@ -109,12 +115,7 @@ fn the_new_paths_are_exercised() {
     let (mut ring, mut scatter, mut staged, mut in_place) = (0, 0, 0, 0);
     let (mut skipped, mut restarts) = (0, 0);
     for seed in 0..40 {
-        let out = run_seed(seed, None);
-        assert!(
-            out.violations.is_empty(),
-            "seed {seed}: {:?}",
-            out.violations
-        );
+        let out = run_clean(seed);
         ring += out.checks[Inv::RingWriteInLiveSlot as usize];
         scatter += out.checks[Inv::ScatterOwnBytes as usize];
         staged += out.checks[Inv::StagedSuccessDrained as usize];
@@ -136,12 +137,7 @@ fn the_new_paths_are_exercised() {
 fn chunks_partly_in_place_land_whole() {
     let mut mixed = 0;
     for seed in 80..160 {
-        let out = run_seed(seed, None);
-        assert!(
-            out.violations.is_empty(),
-            "seed {seed}: {:?}",
-            out.violations
-        );
+        let out = run_clean(seed);
         mixed += out.stats.mixed_chunks;
     }
     assert!(mixed > 50, "{mixed} chunks partly in place");
