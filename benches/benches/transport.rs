@@ -15,7 +15,7 @@
 //! - `tcp kv heads`: the same room as one prefill rank of a TP 2 → TP 1 pair writes it (head
 //!   slices): 4 of the 8 heads, 1 KiB per token per buffer, read end to end from the rank's pages
 //!   and written at a 2 KiB stride into the decode's (pages of 16 shuffled as above), one op per
-//!   token (131 072 ops of 1 KiB; half the room's bytes);
+//!   token (262 144 ops of 1 KiB; half the room's bytes);
 //! - `memcpy heads`: those ops done with `memcpy` in one thread, the ceiling of that access
 //!   pattern on this host (a contiguous copy against 1 KiB pieces at a 2 KiB stride).
 //!
@@ -454,8 +454,8 @@ fn main() {
         runs: Vec::new(),
         cpu: 0.0,
     });
-    // `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`: run that case alone and skip the latency section (for
-    // `strace -c -f` / `perf stat` of one case; the other rows stay empty).
+    // `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`: run that case alone and skip the latency
+    // section (for `strace -c -f` / `perf stat` of one case; the other rows stay empty).
     let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
     let runs = |case: &str| only.is_empty() || only == case;
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
