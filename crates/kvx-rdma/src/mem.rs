@@ -1250,6 +1250,75 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Any pieces, end to end or apart, in or out of address order, sent with `writev_all`
+        /// and received with `readv_targets` (however each call splits them): the stream is
+        /// the pieces' bytes in order, and every target holds its piece's bytes.
+        #[test]
+        fn vectored_io_with_merged_iovecs_keeps_order(
+            pieces in proptest::collection::vec((0usize..3, 1usize..300), 1..1500),
+            shuffle in proptest::collection::vec(proptest::num::usize::ANY, 0..64),
+        ) {
+            use std::io::{Read as _, Write as _};
+            use std::os::fd::AsRawFd as _;
+            // Disjoint ranges of one buffer: gap 0 puts a piece right after the previous one.
+            let mut ranges = Vec::with_capacity(pieces.len());
+            let mut at = 0usize;
+            for &(gap, len) in &pieces {
+                at += gap * 7;
+                ranges.push((at, len));
+                at += len;
+            }
+            // Some swapped: pieces adjacent in memory but not in sequence are not merged.
+            for (i, &k) in shuffle.iter().enumerate() {
+                let n = ranges.len();
+                ranges.swap(i % n, k % n);
+            }
+            let t = RegionTable::new();
+            let src: Vec<u8> = (0..at).map(|i| (i * 31 + 5) as u8).collect();
+            let mut dst = vec![0u8; at];
+            t.insert(src.as_ptr() as u64, at as u64).unwrap();
+            t.insert(dst.as_mut_ptr() as u64, at as u64).unwrap();
+            let (sb, db) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+            let parts: Vec<IoPart<'_>> = ranges
+                .iter()
+                .map(|&(o, n)| IoPart::Span(t.resolve(sb + o as u64, n as u64).unwrap()))
+                .collect();
+            let want: Vec<u8> = ranges.iter().flat_map(|&(o, n)| src[o..o + n].to_vec()).collect();
+            let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            let reader = std::thread::spawn(move || {
+                let mut got = Vec::new();
+                a.read_to_end(&mut got).unwrap();
+                got
+            });
+            proptest::prop_assert_eq!(writev_all(b.as_raw_fd(), &parts).unwrap(), want.len() as u64);
+            drop(b);
+            let got = reader.join().unwrap();
+            proptest::prop_assert!(got == want, "sent stream differs");
+            // The same bytes received into the same ranges of `dst`.
+            let targets: Vec<RecvTarget> = ranges
+                .iter()
+                .map(|&(o, n)| RecvTarget::Mem(t.resolve(db + o as u64, n as u64).unwrap()))
+                .collect();
+            let starts: Vec<usize> = ranges
+                .iter()
+                .scan(0usize, |acc, &(_, n)| { let s = *acc; *acc += n; Some(s) })
+                .collect();
+            let (mut c, d) = std::os::unix::net::UnixStream::pair().unwrap();
+            let writer = std::thread::spawn(move || c.write_all(&got).unwrap());
+            let mut done = 0usize;
+            while done < want.len() {
+                let i = starts.partition_point(|&s| s <= done) - 1;
+                let n = readv_targets(d.as_raw_fd(), &targets[i..], done - starts[i], &mut [], &mut [])
+                    .unwrap();
+                proptest::prop_assert!(n > 0, "EOF after {} bytes", done);
+                done += n;
+            }
+            writer.join().unwrap();
+            for &(o, n) in &ranges {
+                proptest::prop_assert!(dst[o..o + n] == src[o..o + n], "piece at {} differs", o);
+            }
+        }
+
         /// Any placements and any writes (edge addresses and lengths included): no panic, the
         /// targets of each write add up to its length, every span lies in a registered region
         /// (a routed one inside its placement's bounds), and the bytes counted as routed are
