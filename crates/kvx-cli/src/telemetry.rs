@@ -211,6 +211,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Decode sessions that failed (peer failure; the session is blacklisted)",
     ),
     (
+        "kvx_session_preconnects_total",
+        Kind::Counter,
+        "Data sessions a room's metadata asked a transfer worker to open ahead of its first write, by outcome (opened, open, dead, failed)",
+    ),
+    (
         "kvx_staging_rooms",
         Kind::Gauge,
         "Rooms on the staging path",

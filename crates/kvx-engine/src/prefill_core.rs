@@ -55,7 +55,7 @@ use crate::engine::EngineEvent;
 use crate::fault::{TransferThreadFailed, WorkerFault};
 use crate::prefill_staging::StagingDriver;
 use crate::wire::{self, Frames, PrefillInbound};
-use crate::worker::{Job, Outcome, Work};
+use crate::worker::{Job, Outcome, SESSION_IDLE, Work};
 
 pub use staging::PROBE_PERIOD;
 pub(crate) use view::View;
@@ -193,6 +193,10 @@ pub struct PrefillCore {
     next_housekeeping: Instant,
     /// Staging sessions probed for liveness, with when the last probe started.
     probed: BTreeMap<SessionId, Instant>,
+    /// When a job last went to each (shard, decode session): a worker whose last job there is
+    /// older than half its session idle limit may have closed the session, so a room's
+    /// metadata sends it a [`Work::Connect`] first. Entries older than the limit are dropped.
+    warm: BTreeMap<SessionId, Vec<Option<Instant>>>,
     /// kvx-sim's planted bug: the fatal fault is handed out before the batches drained.
     #[cfg(feature = "sim-mutants")]
     early_exit: bool,
@@ -221,6 +225,7 @@ impl PrefillCore {
             fatal: None,
             next_housekeeping: now + HOUSEKEEPING,
             probed: BTreeMap::new(),
+            warm: BTreeMap::new(),
             #[cfg(feature = "sim-mutants")]
             early_exit: false,
         }
@@ -278,6 +283,12 @@ impl PrefillCore {
         if now >= self.next_housekeeping {
             self.next_housekeeping = now + HOUSEKEEPING;
             self.staging_housekeeping(now, out);
+            self.warm.retain(|_, shards| {
+                shards.iter_mut().for_each(|t| {
+                    *t = t.filter(|t| now.saturating_duration_since(*t) < SESSION_IDLE);
+                });
+                shards.iter().any(Option::is_some)
+            });
             self.gauges();
             self.check_dying(now, true, out);
         }
@@ -426,6 +437,7 @@ impl PrefillCore {
         let room = req.room;
         let pages = req.dst.as_ref().map_or(0, |d| d.kv_pages.len());
         let total_pages = req.dst.as_ref().map(|d| d.kv_pages.len());
+        let writes = req.dst.is_some();
         let session = req.session.clone();
         self.known.insert(room);
         if let Err(e) = self.handle(now, PrefillEvent::Metadata(req), Some(room), out) {
@@ -434,6 +446,9 @@ impl PrefillCore {
             metrics::counter!("kvx_metadata_refused_total", "reason" => e.kind()).increment(1);
             tracing::warn!(%room, %session, error = %e, "metadata refused");
             return Err(e);
+        }
+        if writes && self.mgr.poll(room).is_some_and(|s| !s.is_terminal()) {
+            self.preconnect(now, room, &session, out);
         }
         if let Some(total_pages) = total_pages {
             self.staging_open(now, room, &session, total_pages, out);
@@ -463,6 +478,10 @@ impl PrefillCore {
 
     fn complete(&mut self, now: Instant, job: Job, outcome: Outcome, out: &mut Vec<Output>) {
         let Job { room, work, .. } = job;
+        if matches!(work, Work::Connect) {
+            // Only ever reported when its worker is gone: the room's own jobs meet the same fate.
+            return;
+        }
         crate::timeline::stage!(room, "completed");
         let written = matches!(outcome, Outcome::Done);
         let result = match outcome {
@@ -482,6 +501,7 @@ impl PrefillCore {
                 let event = PrefillEvent::BatchDone { batch_id, result };
                 let _ = self.handle(now, event, Some(room), out);
             }
+            Work::Connect => {}
             Work::Stage(w) => {
                 if written {
                     let rank = self.mgr.prefill_unique_rank();
@@ -603,7 +623,46 @@ impl PrefillCore {
             return;
         }
         crate::timeline::stage!(room, "posted");
+        self.touch(shard, &job.session, now);
         out.push(Output::Post { shard, job });
+    }
+
+    /// Asks the worker that will carry `room`'s writes to `session` to open its data session
+    /// now ([`Work::Connect`]) unless a job went to it recently enough that the session is
+    /// still open: the handshake then runs while the forward pass computes the room.
+    fn preconnect(&mut self, now: Instant, room: Room, session: &SessionId, out: &mut Vec<Output>) {
+        let shard = self.shard_of(session, room);
+        let recent = self
+            .warm
+            .get(session)
+            .and_then(|shards| shards.get(shard).copied().flatten())
+            .is_some_and(|t| now.saturating_duration_since(t) < SESSION_IDLE / 2);
+        if recent || self.dead_shards.contains(&shard) {
+            return;
+        }
+        self.touch(shard, session, now);
+        let job = Job {
+            room,
+            session: session.clone(),
+            work: Work::Connect,
+            cancel: Arc::default(),
+        };
+        out.push(Output::Post { shard, job });
+    }
+
+    /// Notes that a job went to `session` on `shard` at `now`.
+    fn touch(&mut self, shard: usize, session: &SessionId, now: Instant) {
+        let queues = self.cfg.queues.max(1);
+        let shards = match self.warm.get_mut(session) {
+            Some(shards) => shards,
+            None => self
+                .warm
+                .entry(session.clone())
+                .or_insert_with(|| vec![None; queues]),
+        };
+        if let Some(t) = shards.get_mut(shard) {
+            *t = Some(now);
+        }
     }
 
     /// The transfer queue of a room's jobs towards a decode session: every chunk of a room stays
@@ -619,5 +678,145 @@ impl PrefillCore {
         if let Some(flag) = self.cancel.get(&room) {
             flag.store(true, Ordering::Release);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kvx_core::prefill::LocalMemory;
+    use kvx_core::{
+        AuxLayout, DecodeRegistration, Destination, Endpoint, KvLayout, TransferRequest,
+    };
+
+    use super::*;
+
+    const QUEUES: usize = 4;
+
+    /// A core of `QUEUES` shards (two layers of 16 pages of 64 bytes) with one decode
+    /// registered; the decode's session and inbox.
+    fn core_with_decode(now: Instant) -> (PrefillCore, SessionId, Endpoint) {
+        let kv = KvLayout::mha_contiguous(0x1000_0000, 2, 64, 16, 1);
+        let aux_ptrs: Vec<u64> = (0..10).map(|i| 0x2000_0000 + (i << 20)).collect();
+        let aux = AuxLayout::sglang_default(&aux_ptrs, Some(16)).unwrap();
+        let local = LocalMemory {
+            kv,
+            aux,
+            state: Vec::new(),
+        };
+        let mgr = PrefillManager::new(kvx_core::PrefillConfig::default(), local);
+        let cfg = CoreConfig {
+            queues: QUEUES,
+            auto_open: true,
+            ..CoreConfig::default()
+        };
+        let mut core = PrefillCore::new(cfg, mgr, None, now);
+        let (session, inbox) = (
+            SessionId::new("127.0.0.1:7000"),
+            Endpoint::new("127.0.0.1", 7001),
+        );
+        let reg = DecodeRegistration {
+            endpoint: inbox.clone(),
+            session: session.clone(),
+            kv_ptrs: (0..4).map(|i| 0x3000_0000 + (i << 20)).collect(),
+            aux_ptrs: (0..10).map(|i| 0x4000_0000 + (i << 20)).collect(),
+            state_ptrs: vec![],
+            dst_tp_rank: 0,
+            dst_attn_tp_size: 1,
+            dst_kv_item_len: 64,
+            state_item_lens: vec![],
+            state_dim_per_tensor: vec![],
+            kv_layer_ids: vec![],
+            state_layer_ids: vec![],
+            staging: Default::default(),
+            dcp_size: 1,
+            dcp_rank: 0,
+            staging_slot_layer_ids: None,
+            kv_item_lens: None,
+        };
+        let mut out = Vec::new();
+        core.inbound(now, PrefillInbound::Registration(Box::new(reg)), &mut out)
+            .unwrap();
+        (core, session, inbox)
+    }
+
+    /// The decode's metadata for `room` (`None` pages: a dummy rank's); the shards of the
+    /// `Work::Connect` jobs it posted.
+    fn metadata(
+        core: &mut PrefillCore,
+        now: Instant,
+        (session, inbox): (&SessionId, &Endpoint),
+        room: u64,
+        pages: Option<Vec<i32>>,
+    ) -> Vec<usize> {
+        let room = Room::new(room).unwrap();
+        let req = TransferRequest {
+            room,
+            endpoint: inbox.clone(),
+            session: session.clone(),
+            dst: pages.map(|kv_pages| Destination {
+                kv_pages,
+                aux_index: 0,
+                state_indices: vec![],
+            }),
+            required_dst_info_num: 1,
+            decode_prefix_len: Some(0),
+            device_kv_pages: vec![],
+        };
+        let mut out = Vec::new();
+        core.inbound(now, PrefillInbound::Metadata(Box::new(req)), &mut out)
+            .unwrap();
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Post { shard, job } if matches!(job.work, Work::Connect) => {
+                    assert_eq!(job.room, room);
+                    assert_eq!(&job.session, session);
+                    Some(*shard)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn metadata_opens_the_rooms_data_session_once_per_idle_period() {
+        let t0 = Instant::now();
+        let (mut core, session, inbox) = core_with_decode(t0);
+        let d = (&session, &inbox);
+        let shard_of = |room: u64| ((7000 + room) % QUEUES as u64) as usize;
+        // A room's metadata asks the worker that will carry its writes to connect.
+        assert_eq!(metadata(&mut core, t0, d, 1, Some(vec![0])), [shard_of(1)]);
+        // Another room on that shard does not while the session is surely open; one on another
+        // shard does.
+        assert_eq!(
+            metadata(&mut core, t0, d, 5, Some(vec![1])),
+            Vec::<usize>::new()
+        );
+        assert_eq!(metadata(&mut core, t0, d, 2, Some(vec![2])), [shard_of(2)]);
+        // A dummy rank's metadata writes nothing, so opens nothing.
+        assert_eq!(metadata(&mut core, t0, d, 3, None), Vec::<usize>::new());
+        // Once half the idle limit passed with no job on the shard, the worker may close its
+        // session before the room's first write: connect again.
+        let later = t0 + SESSION_IDLE / 2;
+        assert_eq!(
+            metadata(&mut core, later, d, 9, Some(vec![3])),
+            [shard_of(9)]
+        );
+        // Housekeeping forgets shards idle past the limit; nothing else stays behind.
+        let mut out = Vec::new();
+        core.on_time(t0 + SESSION_IDLE + HOUSEKEEPING, &mut out);
+        assert!(core.warm.is_empty());
+    }
+
+    #[test]
+    fn a_dead_shard_gets_no_connect() {
+        let t0 = Instant::now();
+        let (mut core, session, inbox) = core_with_decode(t0);
+        let shard = ((7000 + 1) % QUEUES as u64) as usize;
+        let mut out = Vec::new();
+        core.worker_lost(t0, shard, &mut out);
+        let connects = metadata(&mut core, t0, (&session, &inbox), 1, Some(vec![0]));
+        assert!(connects.is_empty(), "{connects:?}");
     }
 }

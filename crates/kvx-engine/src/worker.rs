@@ -64,6 +64,12 @@ pub enum Work {
     },
     /// A staged chunk: its block written into the decode's ring (the loop sends `CHUNK_READY`).
     Stage(Box<StageWork>),
+    /// Open the worker's data session to the job's decode now unless it is open (and keep it
+    /// from idling out): posted when a room's metadata arrives, so the connection handshake
+    /// runs during the forward pass instead of before the room's first write. Nothing is
+    /// written and the worker reports nothing; a session that cannot be opened is marked dead,
+    /// as a batch's failed open would mark it.
+    Connect,
 }
 
 impl Work {
@@ -173,7 +179,8 @@ pub(crate) struct WorkerCtx {
     /// Decode sessions a worker found dead, until when: the session's jobs queued on any worker
     /// behind the failed one fail at once, without a connect attempt each, before the loop has
     /// even seen the failure. The loop clears a mark when the session registers again.
-    pub(crate) dead_sessions: Mutex<HashMap<SessionId, Instant>>,
+    /// Each with until when and why it was found dead.
+    pub(crate) dead_sessions: Mutex<HashMap<SessionId, (Instant, String)>>,
 }
 
 impl WorkerCtx {
@@ -182,16 +189,17 @@ impl WorkerCtx {
         lock(&self.dead_sessions).remove(session);
     }
 
-    fn is_dead(&self, session: &SessionId) -> bool {
+    /// Why `session` was found dead, while the mark lasts.
+    fn dead_cause(&self, session: &SessionId) -> Option<String> {
         let mut dead = lock(&self.dead_sessions);
         let now = Instant::now();
-        dead.retain(|_, until| *until > now);
-        dead.contains_key(session)
+        dead.retain(|_, (until, _)| *until > now);
+        dead.get(session).map(|(_, cause)| cause.clone())
     }
 
-    fn mark_dead(&self, session: &SessionId) {
+    fn mark_dead(&self, session: &SessionId, cause: &str) {
         let until = Instant::now() + kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
-        lock(&self.dead_sessions).insert(session.clone(), until);
+        lock(&self.dead_sessions).insert(session.clone(), (until, cause.to_owned()));
     }
 }
 
@@ -233,6 +241,8 @@ struct Writing {
 
 /// What starting a job came to.
 enum Started {
+    /// A [`Work::Connect`] ran: nothing to report.
+    Connected,
     /// Nothing to wait for (skipped, failed before a write, or already complete).
     Done(Outcome),
     /// Posted; its completion is awaited by [`finish`].
@@ -291,6 +301,7 @@ fn worker_loop<R: From<Report>>(
                         start(ctx, shard, &mut sessions, &mut job)
                     }));
                     let fault = match run {
+                        Ok(Ok(Started::Connected)) => continue,
                         Ok(Ok(Started::Done(outcome))) => {
                             if !report(job, outcome) {
                                 return None;
@@ -448,7 +459,57 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
 }
 
 /// Data sessions idle this long are closed.
-const SESSION_IDLE: Duration = Duration::from_secs(2);
+pub(crate) const SESSION_IDLE: Duration = Duration::from_secs(2);
+
+/// The cached session to `session`'s decode while it is alive (its idle clock restarted), else
+/// a freshly opened one, cached; an open that fails marks the session dead.
+fn session_for(
+    ctx: &WorkerCtx,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    session: &SessionId,
+) -> Result<Arc<dyn Session>, TransportError> {
+    if let Some((s, used)) = sessions.get_mut(session)
+        && s.is_alive()
+    {
+        *used = Instant::now();
+        return Ok(s.clone());
+    }
+    match ctx.rt.block_on(ctx.plane.open_session(session.as_str())) {
+        Ok(s) => {
+            sessions.insert(session.clone(), (s.clone(), Instant::now()));
+            Ok(s)
+        }
+        Err(e) => {
+            sessions.remove(session);
+            ctx.mark_dead(session, &e.to_string());
+            Err(e)
+        }
+    }
+}
+
+/// Runs a [`Work::Connect`]: the session is open (or found dead) when it returns.
+fn connect(
+    ctx: &WorkerCtx,
+    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    session: &SessionId,
+) {
+    let outcome = if ctx.dead_cause(session).is_some() {
+        "dead"
+    } else {
+        let was_open = sessions.get(session).is_some_and(|(s, _)| s.is_alive());
+        match session_for(ctx, sessions, session) {
+            Ok(_) if was_open => "open",
+            Ok(_) => "opened",
+            Err(e) => {
+                // The session is marked dead: the room's first batch reports it.
+                let reason = peer_failed(session, &e);
+                tracing::warn!(%session, "{reason} (opening it ahead of a room)");
+                "failed"
+            }
+        }
+    };
+    metrics::counter!("kvx_session_preconnects_total", "outcome" => outcome).increment(1);
+}
 
 /// Posts one job: checks, gathers a staged chunk, opens the session if needed and posts the
 /// batch (its first poll queues or sends its windows). Outer error: fatal for the worker; an
@@ -460,17 +521,21 @@ fn start(
     sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
     job: &mut Job,
 ) -> Result<Started, WorkerFault> {
+    if matches!(job.work, Work::Connect) {
+        connect(ctx, sessions, &job.session);
+        return Ok(Started::Connected);
+    }
     // A job queued before its room failed is completed without any work.
     if job.cancel.load(Ordering::Acquire) {
         return Ok(Started::Done(Outcome::Skipped));
     }
     let (room, session) = (job.room, &job.session);
     crate::timeline::stage!(room, "worker");
-    if ctx.is_dead(session) {
+    if let Some(cause) = ctx.dead_cause(session) {
         sessions.remove(session);
         metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
         return Ok(Started::Done(Outcome::PeerFailed(format!(
-            "Decode instance could be dead, remote session {session} is not alive"
+            "Decode instance could be dead, remote session {session} is not alive ({cause})"
         ))));
     }
     fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
@@ -500,22 +565,11 @@ fn start(
                 ))));
             }
         },
+        Work::Connect => return Ok(Started::Connected),
     };
-    let s = match sessions.get_mut(session) {
-        Some((s, used)) if s.is_alive() => {
-            *used = Instant::now();
-            s.clone()
-        }
-        _ => match ctx.rt.block_on(ctx.plane.open_session(session.as_str())) {
-            Ok(s) => {
-                sessions.insert(session.clone(), (s.clone(), Instant::now()));
-                s
-            }
-            Err(e) => {
-                ctx.mark_dead(session);
-                return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e))));
-            }
-        },
+    let s = match session_for(ctx, sessions, session) {
+        Ok(s) => s,
+        Err(e) => return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e)))),
     };
     let busy = ctx.busy.enter();
     let t0 = Instant::now();
@@ -568,7 +622,7 @@ fn completed(
         }
         Err(e) if e.is_peer_failure() => {
             sessions.remove(session);
-            ctx.mark_dead(session);
+            ctx.mark_dead(session, &e.to_string());
             Outcome::PeerFailed(peer_failed(session, &e))
         }
         Err(e) => Outcome::RoomFailed(format!(

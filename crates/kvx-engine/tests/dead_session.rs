@@ -10,14 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::zmq;
-use kvx_core::{
-    Chunk, DecodeRegistration, Destination, Endpoint, KVPoll, PageSlice, Room, SessionId,
-    TransferRequest,
-};
+use kvx_core::{Chunk, Endpoint, KVPoll, PageSlice, Room, SessionId};
 use kvx_engine::engine::{PrefillConfig, PrefillEngine};
 use kvx_engine::model::ModelPreset;
 use kvx_engine::synthetic::prefill_memory;
 use kvx_engine::wire::{self, DecodeInbound};
+
+mod common;
 
 fn wait(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
@@ -74,26 +73,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     push.set_linger(0).unwrap();
     push.connect(&engine.endpoint().zmq_addr()).unwrap();
     let session = SessionId::new(data_addr.to_string());
-    let base = 0x4000_0000u64;
-    let reg = DecodeRegistration {
-        endpoint: me.clone(),
-        session: session.clone(),
-        kv_ptrs: layout.kv_ptrs(base),
-        aux_ptrs: layout.aux_ptrs(base + layout.pool_bytes()),
-        state_ptrs: vec![],
-        dst_tp_rank: 0,
-        dst_attn_tp_size: 1,
-        dst_kv_item_len: layout.item_len,
-        state_item_lens: vec![],
-        state_dim_per_tensor: vec![],
-        kv_layer_ids: vec![],
-        state_layer_ids: vec![],
-        staging: Default::default(),
-        dcp_size: 1,
-        dcp_rank: 0,
-        staging_slot_layer_ids: None,
-        kv_item_lens: None,
-    };
+    let reg = common::decode_registration(&layout, &me, &session);
     push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
         .unwrap();
     // Rooms A and B get chunks; room C is ready but its forward pass has not run yet.
@@ -101,19 +81,13 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let waiting = Room::new(503).unwrap();
     for (i, &room) in rooms.iter().chain([&waiting]).enumerate() {
         engine.open_room(room).unwrap();
-        let req = TransferRequest {
+        let req = common::decode_metadata(
             room,
-            endpoint: me.clone(),
-            session: session.clone(),
-            dst: Some(Destination {
-                kv_pages: vec![2 * i as i32, 2 * i as i32 + 1],
-                aux_index: i as i64,
-                state_indices: vec![],
-            }),
-            required_dst_info_num: 1,
-            decode_prefix_len: Some(0),
-            device_kv_pages: vec![],
-        };
+            &me,
+            &session,
+            vec![2 * i as i32, 2 * i as i32 + 1],
+            i as i64,
+        );
         push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
             .unwrap();
     }
@@ -125,7 +99,8 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let chunk =
         |first: i32| Chunk::new(PageSlice::new(0, 2).unwrap(), vec![first, first + 1]).last();
 
-    // Room A's batch connects; its handshake hangs while room B's batch queues behind it.
+    // Room A's metadata had the worker connect (the session is opened ahead of the forward
+    // pass); the handshake hangs while room A's and room B's batches queue behind it.
     engine.init_room(rooms[0], 2, 0).unwrap();
     engine.send(rooms[0], chunk(10)).unwrap();
     wait("first connect", || accepted.load(Ordering::SeqCst) == 1);
@@ -155,6 +130,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     });
     failed.sort();
     assert_eq!(failed, [rooms[0], rooms[1], waiting]);
-    // Only room A's batch tried the data plane; room B's failed on the dead-session mark.
+    // One connect in all: the failed open marked the session dead, and both batches failed on
+    // that mark without a connect of their own.
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }

@@ -64,6 +64,7 @@ fn main() -> ExitCode {
         stats.aux_rows += out.stats.aux_rows;
         stats.state_slots += out.stats.state_slots;
         stats.skipped_jobs += out.stats.skipped_jobs;
+        stats.preconnects += out.stats.preconnects;
         stats.worker_restarts += out.stats.worker_restarts;
         stats.undrained_success += out.stats.undrained_success;
         for (c, n) in checks.iter_mut().zip(out.checks) {
@@ -101,7 +102,7 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} workers restarted, {} Success before a lost CHUNK_READY){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.in_place,
@@ -110,6 +111,7 @@ fn main() -> ExitCode {
         stats.aux_rows,
         stats.state_slots,
         stats.skipped_jobs,
+        stats.preconnects,
         stats.worker_restarts,
         stats.undrained_success,
         mutant

@@ -64,14 +64,24 @@ fn a_seed_replays_exactly() {
 }
 
 fn caught(m: Mutant, inv: Inv) {
+    caught_as(m, &[inv]);
+}
+
+/// `m` is caught in the first 256 seeds, first by one of `invs`.
+fn caught_as(m: Mutant, invs: &[Inv]) {
     let hit = (0..256).find_map(|seed| run_seed(seed, Some(m)).violations.first().cloned());
     let v = hit.unwrap_or_else(|| panic!("mutant {} not caught in 256 seeds", m.name()));
-    assert_eq!(v.inv, inv, "mutant {}: {v}", m.name());
+    assert!(invs.contains(&v.inv), "mutant {}: {v}", m.name());
 }
 
 #[test]
 fn late_write_is_caught() {
-    caught(Mutant::LateWrite, Inv::NoWriteAfterStatus);
+    // A window still in flight lands after the decode was told: its status 0, or the
+    // `ABORT_ACK` of the room it aborted (which comes first depends on the seed's trajectory).
+    caught_as(
+        Mutant::LateWrite,
+        &[Inv::NoWriteAfterStatus, Inv::NoWriteAfterAck],
+    );
 }
 
 #[test]

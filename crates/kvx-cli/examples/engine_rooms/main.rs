@@ -114,6 +114,14 @@ struct Args {
     /// `aux_over_tcp`): an empty room then has no data-plane write at all.
     #[arg(long)]
     aux_over_tcp: bool,
+    /// Idle this many milliseconds before each measured room (beyond the engines' data-session
+    /// idle limit, every room finds its sessions closed).
+    #[arg(long, default_value_t = 0)]
+    gap_ms: u64,
+    /// The forward pass: each prefill rank waits this many milliseconds after `Ready` before it
+    /// opens the room and hands its chunks over (off the transfer window's clock).
+    #[arg(long, default_value_t = 0)]
+    forward_ms: u64,
 }
 
 /// One prefill rank's source pages for a room, written before the room's clock starts.
@@ -159,6 +167,7 @@ fn serve_rank(
     events: &Receiver<EngineEvent>,
     prepared: &Receiver<Prepared>,
     chunk_pages: usize,
+    forward: Duration,
     reports: &Sender<Report>,
 ) {
     let mut ready_rooms: HashMap<Room, Prepared> = HashMap::new();
@@ -174,6 +183,9 @@ fn serve_rank(
                     let _ = reports.send(Report::Error(format!("rank {rank}: {room} unknown")));
                     continue;
                 };
+                if !forward.is_zero() {
+                    std::thread::sleep(forward);
+                }
                 match hand_over(engine, &p, n, chunk_pages) {
                     Ok((first, last)) => {
                         let _ = reports.send(Report::Sent {
@@ -311,9 +323,10 @@ fn main() -> Result<()> {
         ))?;
         let (prep_tx, prep_rx) = std::sync::mpsc::channel();
         let (e, tx, step) = (engine.clone(), report_tx.clone(), a.chunk_pages);
+        let forward = Duration::from_millis(a.forward_ms);
         std::thread::Builder::new()
             .name(format!("embedder-{r}"))
-            .spawn(move || serve_rank(r, &e, &events, &prep_rx, step, &tx))?;
+            .spawn(move || serve_rank(r, &e, &events, &prep_rx, step, forward, &tx))?;
         let model = SyntheticModel {
             layout: layout.clone(),
             kv: mem.kv.clone(),
@@ -359,6 +372,9 @@ fn main() -> Result<()> {
     for k in 0..=measured {
         let room = Room::new(k + 1).context("room id")?;
         let n = if k == 0 { 0 } else { pages_per_room as usize };
+        if k > 0 && a.gap_ms > 0 {
+            std::thread::sleep(Duration::from_millis(a.gap_ms));
+        }
         let row = k % dlayout.aux_rows;
         let t = Instant::now();
         let mut src = Vec::new();
@@ -501,9 +517,12 @@ fn main() -> Result<()> {
         bytes as f64 / sum(|r| r.window_s).max(1e-9) / 1e9
     );
     println!(
-        "room wall p50 {:.2} ms p99 {:.2} ms; last chunk → Success p50 {:.0} µs p99 {:.0} µs",
+        "room wall p50 {:.2} ms p99 {:.2} ms; transfer window p50 {:.0} µs p99 {:.0} µs; last \
+         chunk → Success p50 {:.0} µs p99 {:.0} µs",
         pct(|r| r.wall_s, 0.5) * 1e3,
         pct(|r| r.wall_s, 0.99) * 1e3,
+        pct(|r| r.window_s, 0.5) * 1e6,
+        pct(|r| r.window_s, 0.99) * 1e6,
         pct(|r| r.control_s, 0.5) * 1e6,
         pct(|r| r.control_s, 0.99) * 1e6
     );

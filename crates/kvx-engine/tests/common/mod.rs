@@ -6,6 +6,8 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
+use kvx_core::{DecodeRegistration, Destination, Endpoint, Room, SessionId, TransferRequest};
+use kvx_engine::model::KvLayout;
 
 /// A port free on loopback right now.
 pub fn free_port() -> u16 {
@@ -44,4 +46,56 @@ pub fn register_tiny_rank(rt: &tokio::runtime::Runtime, port: u16, inbox_port: u
     let client = BootstrapClient::new("127.0.0.1", port).unwrap();
     rt.block_on(client.register_rank(&reg, &RetryPolicy::immediate(3, Duration::from_secs(5))))
         .unwrap();
+}
+
+/// A TP1 decode's registration with inbox `me` and data session `session`, its KV pool at a
+/// made-up address in `layout`'s shape.
+pub fn decode_registration(
+    layout: &KvLayout,
+    me: &Endpoint,
+    session: &SessionId,
+) -> DecodeRegistration {
+    let base = 0x4000_0000u64;
+    DecodeRegistration {
+        endpoint: me.clone(),
+        session: session.clone(),
+        kv_ptrs: layout.kv_ptrs(base),
+        aux_ptrs: layout.aux_ptrs(base + layout.pool_bytes()),
+        state_ptrs: vec![],
+        dst_tp_rank: 0,
+        dst_attn_tp_size: 1,
+        dst_kv_item_len: layout.item_len,
+        state_item_lens: vec![],
+        state_dim_per_tensor: vec![],
+        kv_layer_ids: vec![],
+        state_layer_ids: vec![],
+        staging: Default::default(),
+        dcp_size: 1,
+        dcp_rank: 0,
+        staging_slot_layer_ids: None,
+        kv_item_lens: None,
+    }
+}
+
+/// That decode's metadata for `room`: `kv_pages` into aux row `aux_index`.
+pub fn decode_metadata(
+    room: Room,
+    me: &Endpoint,
+    session: &SessionId,
+    kv_pages: Vec<i32>,
+    aux_index: i64,
+) -> TransferRequest {
+    TransferRequest {
+        room,
+        endpoint: me.clone(),
+        session: session.clone(),
+        dst: Some(Destination {
+            kv_pages,
+            aux_index,
+            state_indices: vec![],
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+        device_kv_pages: vec![],
+    }
 }

@@ -289,6 +289,9 @@ pub struct Stats {
     pub state_slots: u64,
     /// Jobs a prefill worker skipped (their room's cancel flag was up when it took them).
     pub skipped_jobs: u64,
+    /// `Work::Connect` jobs prefill workers took (a room's metadata found its worker's session
+    /// possibly idle).
+    pub preconnects: u64,
     /// Prefill workers restarted after a fatal fault.
     pub worker_restarts: u64,
     /// Staged rooms a decode reported failed because a `CHUNK_READY` was lost before Success.

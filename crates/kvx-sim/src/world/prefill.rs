@@ -537,6 +537,7 @@ fn brief_output(o: &Output) -> String {
                     format!("batch {batch_id:?} ({} ops)", ops.len())
                 }
                 kvx_engine::worker::Work::Stage(w) => format!("staged chunk {:?}", w.key),
+                kvx_engine::worker::Work::Connect => "connect".to_owned(),
             };
             format!("Post {what} to {:?} on shard {shard}", job.session)
         }

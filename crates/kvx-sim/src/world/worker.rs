@@ -154,7 +154,15 @@ impl World {
             }
             s.queue.pop_front();
             let room = job.room;
+            let connect = matches!(job.work, Work::Connect);
             self.dequeued(p, id, room);
+            if connect {
+                // The simulated data plane has no handshake: the session is open at once, and
+                // the worker reports nothing.
+                self.prefills[p as usize].workers.jobs.remove(&id);
+                self.stats.preconnects += 1;
+                continue;
+            }
             let w = &mut self.prefills[p as usize].workers;
             let Some(s) = w.shards.get_mut(shard) else {
                 return;
@@ -193,6 +201,8 @@ impl World {
                 ops: std::mem::take(ops),
                 payload: None,
             },
+            // Taken off the queue by the pump, never started.
+            Work::Connect => return,
             Work::Stage(w) => match self.stage_gather(p, w) {
                 Ok(bytes) => Write {
                     room,

@@ -1,0 +1,89 @@
+//! A room's metadata opens the data session its writes will take before the forward pass hands
+//! the first chunk over: the connection handshake (one per transfer queue, and again after the
+//! session idled out) is off the room's transfer window. A real ZMQ decode inbox and a real TCP
+//! listener stand in for the decode; the listener counts every connect.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvx_bootstrap::sockets::zmq;
+use kvx_core::{Endpoint, KVPoll, Room, SessionId};
+use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::model::ModelPreset;
+use kvx_engine::synthetic::prefill_memory;
+use kvx_engine::wire;
+
+mod common;
+
+#[test]
+fn metadata_opens_the_data_session_before_the_first_chunk() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
+    let cfg = PrefillConfig {
+        queues: 2,
+        connections: 1,
+        backend: kvx_engine::plane::Backend::Tcp,
+        total_kv_heads: layout.total_kv_heads,
+        ..PrefillConfig::default()
+    };
+    let engine = PrefillEngine::start(cfg, prefill_memory(&layout), rt.handle().clone()).unwrap();
+
+    // The decode's data plane: counts connects and holds them (their handshake waits).
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let data_addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+    {
+        let (accepted, held) = (accepted.clone(), held.clone());
+        std::thread::spawn(move || {
+            for s in listener.incoming().flatten() {
+                accepted.fetch_add(1, Ordering::SeqCst);
+                held.lock().unwrap().push(s);
+            }
+        });
+    }
+    // The decode's control plane.
+    let ctx = zmq::Context::new();
+    let inbox = ctx.socket(zmq::PULL).unwrap();
+    inbox.bind("tcp://127.0.0.1:*").unwrap();
+    let bound = inbox.get_last_endpoint().unwrap().unwrap();
+    let me = Endpoint::new(
+        "127.0.0.1",
+        bound.rsplit(':').next().unwrap().parse().unwrap(),
+    );
+    let push = ctx.socket(zmq::PUSH).unwrap();
+    push.set_linger(0).unwrap();
+    push.connect(&engine.endpoint().zmq_addr()).unwrap();
+    let session = SessionId::new(data_addr.to_string());
+    let reg = common::decode_registration(&layout, &me, &session);
+    push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
+        .unwrap();
+    // Registering opens nothing: which queue carries a room is known from its metadata.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(accepted.load(Ordering::SeqCst), 0);
+
+    // Two rooms on the two queues (the queue is the session's port plus the room, modulo 2).
+    let port = u64::from(data_addr.port());
+    let rooms = [
+        Room::new(port + 100).unwrap(),
+        Room::new(port + 101).unwrap(),
+    ];
+    for (i, &room) in rooms.iter().enumerate() {
+        engine.open_room(room).unwrap();
+        let req = common::decode_metadata(room, &me, &session, vec![i as i32], i as i64);
+        push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
+            .unwrap();
+    }
+    // No chunk was handed over, yet each queue's worker has connected.
+    common::wait_until(Duration::from_secs(30), "a connect per queue", || {
+        accepted.load(Ordering::SeqCst) == 2
+    });
+    for room in rooms {
+        assert_eq!(engine.poll(room), Some(KVPoll::WaitingForInput));
+    }
+    // The decode goes away: the held handshakes end and the engine shuts down cleanly.
+    held.lock().unwrap().clear();
+    engine.shutdown();
+}
