@@ -336,8 +336,9 @@ pub fn run(root: &Path) -> Result<Part> {
     let mut part = Part::default();
     let mut last_line = None;
     if selected(&parts, "engine") {
-        let (rows, empty, left_out) = engine_part(&bin, &example, &logs, &only);
-        part = e2e_engine::part(&rows, empty.as_ref(), &left_out);
+        let (rows, empty, idle, left_out) = engine_part(&bin, &example, &logs, &only);
+        let idle = idle.as_ref().map(|(w, i)| (w, i));
+        part = e2e_engine::part(&rows, empty.as_ref(), idle, &left_out);
         print!("{}", part.md);
         last_line = Some(e2e_engine::ratio_line(e2e_engine::ratio(&rows)));
     }
@@ -353,13 +354,20 @@ pub fn run(root: &Path) -> Result<Part> {
 }
 
 /// The engine part: each engine shape and size that fits, beside its link test, then the
-/// empty rooms; returns the rows, the empty-room run and what was left out.
+/// empty rooms and the small rooms back to back and after idling; returns the rows, the
+/// empty-room run, the two small-room runs and what was left out.
+#[allow(clippy::type_complexity)]
 fn engine_part(
     bin: &Path,
     example: &Path,
     logs: &Path,
     only: &str,
-) -> (Vec<EngineRow>, Option<EngineRun>, Vec<String>) {
+) -> (
+    Vec<EngineRow>,
+    Option<EngineRun>,
+    Option<(EngineRun, EngineRun)>,
+    Vec<String>,
+) {
     let avail = mem_available();
     let (mut rows, mut left_out) = (Vec::new(), Vec::new());
     for shape in ENGINE_SHAPES {
@@ -442,7 +450,31 @@ fn engine_part(
             Err(e) => left_out.push(format!("the empty rooms failed: {e:#}")),
         }
     }
-    (rows, empty, left_out)
+    let mut idle = None;
+    if selected(only, e2e_engine::IDLE_KEY) {
+        eprintln!("xtask: e2e engines, small rooms back to back and after idling");
+        let args = |gap: u64| -> Vec<String> {
+            e2e_engine::IDLE_ARGS
+                .iter()
+                .map(|s| s.to_string())
+                .chain(["--gap-ms".to_string(), gap.to_string()])
+                .collect()
+        };
+        let warm = e2e_engine::run_example(example, logs, "engine-small-rooms", &args(0));
+        let cold = e2e_engine::run_example(
+            example,
+            logs,
+            "engine-small-rooms-idle",
+            &args(e2e_engine::IDLE_GAP_MS),
+        );
+        match (warm, cold) {
+            (Ok(w), Ok(c)) => idle = Some((w, c)),
+            (Err(e), _) | (_, Err(e)) => {
+                left_out.push(format!("the small rooms failed: {e:#}"));
+            }
+        }
+    }
+    (rows, empty, idle, left_out)
 }
 
 /// The processes part: every shape and size that fits through `kvx` processes.

@@ -102,6 +102,25 @@ pub const EMPTY_KEY: &str = "empty-room";
 /// Empty rooms measured per run.
 pub const EMPTY_ROOMS: u64 = 2000;
 
+/// `KVX_E2E_SHAPES` key of the small rooms measured back to back and after idling.
+pub const IDLE_KEY: &str = "idle-rooms";
+
+/// The small rooms' arguments: 8 rooms of 256 Tiny tokens, each after a 5 ms forward pass.
+pub const IDLE_ARGS: &[&str] = &[
+    "--model",
+    "tiny",
+    "--tokens",
+    "256",
+    "--rooms",
+    "8",
+    "--forward-ms",
+    "5",
+];
+
+/// Idle time before each small room in the second run: longer than the engines' data-session
+/// idle limit (2 s), so every room finds its queue's session closed.
+pub const IDLE_GAP_MS: u64 = 2500;
+
 /// Rooms per shape and size: about 2 GiB in all, at least 4 (so that p99 is not p50), at most 16.
 pub fn rooms_for(room_bytes: u64) -> u64 {
     (2u64 << 30).div_ceil(room_bytes.max(1)).clamp(4, 16)
@@ -297,7 +316,12 @@ pub fn ratio_line(r: Option<f64>) -> String {
 }
 
 /// The engine section of the report: whole rooms, then the empty rooms.
-pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) -> Part {
+pub fn part(
+    rows: &[EngineRow],
+    empty: Option<&EngineRun>,
+    idle: Option<(&EngineRun, &EngineRun)>,
+    left_out: &[String],
+) -> Part {
     let mut p = Part::default();
     p.heading(2, "Whole rooms, engines only");
     p.para(
@@ -395,6 +419,20 @@ pub fn part(rows: &[EngineRow], empty: Option<&EngineRun>, left_out: &[String]) 
             ));
         }
     }
+    if let Some((warm, idle)) = idle {
+        let us = |r: &EngineRun, q| format!("{:.0}", r.quantile(|f| f.window_s, q) * 1e6);
+        p.para(&format!(
+            "Small rooms (Tiny, 256 tokens; {} measured, each after a 5 ms forward pass): \
+             transfer window p50 {} µs, max {} µs back to back; p50 {} µs, max {} µs when each \
+             room follows {IDLE_GAP_MS} ms of idle (its transfer queue's data session closed \
+             meanwhile and is opened again while its forward pass runs).",
+            warm.rooms.len(),
+            us(warm, 0.5),
+            us(warm, 1.0),
+            us(idle, 0.5),
+            us(idle, 1.0),
+        ));
+    }
     if !left_out.is_empty() {
         p.para(&format!("Left out: {}.", left_out.join("; ")));
     }
@@ -485,7 +523,7 @@ mod tests {
             run: run.clone(),
             link_gbps: Some(2.0),
         }];
-        let p = part(&rows, Some(&run), &["x failed".into()]);
+        let p = part(&rows, Some(&run), Some((&run, &run)), &["x failed".into()]);
         assert!(
             p.md.contains("| Llama-3-8B TP1 | 4096 | 953.7 MiB | 2/2 | 0.50 | 1.00 | 2.00 | 0.25 | 1000.0 | 3000.0 | 500.0 | 1.0 | 0.50 |"),
             "{}",
@@ -497,6 +535,11 @@ mod tests {
             p.md.contains(
                 "p50 90 µs, p99 180 µs (p50 of the parts: write + ack 40 µs, message 50 µs)"
             ),
+            "{}",
+            p.md
+        );
+        assert!(
+            p.md.contains("p50 500000 µs, max 1500000 µs back to back"),
             "{}",
             p.md
         );
