@@ -83,6 +83,17 @@ impl Notifier {
         kept
     }
 
+    /// Connects the socket toward `ep` ahead of its first message and restarts its idle clock:
+    /// a room's metadata came from `ep`, and the room's status follows its forward pass, so the
+    /// connection's handshake is done by then instead of delaying the status.
+    pub(crate) fn prepare(&mut self, ep: &Endpoint) {
+        self.used.insert(ep.clone(), Instant::now());
+        if let Err(e) = self.cache.watch(ep) {
+            // The status's own send reports a socket that cannot be made.
+            tracing::debug!(%ep, error = %e, "cannot open a socket ahead of a status");
+        }
+    }
+
     fn enqueue(&mut self, ep: Endpoint, frames: Frames) -> bool {
         if let Some(h) = self.held.get_mut(&ep) {
             if h.queue.len() >= HOLD_MAX {
@@ -222,5 +233,30 @@ mod tests {
         }
         let n = sender.join().unwrap();
         assert!(n.retry_due().is_none());
+    }
+
+    /// `prepare` connects toward a decode's inbox with nothing to send yet, and the socket is
+    /// not closed as idle right after.
+    #[test]
+    fn prepare_connects_before_the_first_message() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let ep = Endpoint::new("127.0.0.1", listener.local_addr().unwrap().port());
+        let ctx = zmq::Context::new();
+        let mut n = Notifier::new(&ctx);
+        n.prepare(&ep);
+        let t0 = Instant::now();
+        loop {
+            match listener.accept() {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "no connect");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        n.housekeeping();
+        assert!(n.cache.contains(&ep), "a prepared socket closed as idle");
     }
 }

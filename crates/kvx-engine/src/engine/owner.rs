@@ -159,8 +159,20 @@ impl Owner {
         let mut out = Vec::new();
         match input {
             Input::Inbound(msg) => {
+                // Accepted metadata: the decode inbox it names gets the room's status after
+                // the forward pass; its socket connects meanwhile.
+                let status_to = match &msg {
+                    PrefillInbound::Metadata(req) if req.dst.is_some() => {
+                        Some(req.endpoint.clone())
+                    }
+                    _ => None,
+                };
                 // A refusal is logged and counted by the core.
-                let _ = self.core.inbound(now, msg, &mut out);
+                if self.core.inbound(now, msg, &mut out).is_ok()
+                    && let Some(ep) = status_to
+                {
+                    self.notifier.prepare(&ep);
+                }
             }
             Input::Call(call) => return self.call(now, call),
             Input::Worker(Report::Finished { job, outcome, .. }) => {
