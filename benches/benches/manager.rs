@@ -11,7 +11,7 @@ use kvx_core::planner::plan_kv_equal;
 use kvx_core::prefill::{LocalMemory, PrefillAction};
 use kvx_core::{
     AuxLayout, Chunk, DecodeRegistration, Destination, Endpoint, KvLayout, PageSlice,
-    PrefillConfig, PrefillEvent, PrefillManager, Room, SessionId, StagingRingInfo, TransferRequest,
+    PrefillConfig, PrefillEvent, PrefillManager, Room, SessionId, TransferRequest,
 };
 
 const LAYERS: usize = 32;
@@ -23,25 +23,13 @@ fn layout(base: u64) -> KvLayout {
 
 fn registration() -> DecodeRegistration {
     let kv = layout(0x5000_0000_0000);
-    DecodeRegistration {
-        endpoint: Endpoint::new("10.0.0.2", 41235),
-        session: SessionId::new("10.0.0.2:15234"),
-        kv_ptrs: kv.buffers.iter().map(|b| b.addr).collect(),
-        aux_ptrs: (0..10).map(|i| 0x6000_0000_0000 + (i << 24)).collect(),
-        state_ptrs: Vec::new(),
-        dst_tp_rank: 0,
-        dst_attn_tp_size: 1,
-        dst_kv_item_len: 2048,
-        state_item_lens: Vec::new(),
-        state_dim_per_tensor: Vec::new(),
-        kv_layer_ids: Vec::new(),
-        state_layer_ids: Vec::new(),
-        staging: StagingRingInfo::default(),
-        dcp_size: 1,
-        dcp_rank: 0,
-        staging_slot_layer_ids: None,
-        kv_item_lens: None,
-    }
+    DecodeRegistration::plain(
+        Endpoint::new("10.0.0.2", 41235),
+        SessionId::new("10.0.0.2:15234"),
+        kv.buffers.iter().map(|b| b.addr).collect(),
+        (0..10).map(|i| 0x6000_0000_0000 + (i << 24)).collect(),
+        2048,
+    )
 }
 
 /// Pages with every fourth page breaking the run.

@@ -56,25 +56,13 @@ impl FakeDecode {
 
     fn registration(&self, layout: &KvLayout) -> DecodeRegistration {
         let base = 0x4000_0000u64;
-        DecodeRegistration {
-            endpoint: self.me.clone(),
-            session: self.session.clone(),
-            kv_ptrs: layout.kv_ptrs(base),
-            aux_ptrs: layout.aux_ptrs(base + layout.pool_bytes()),
-            state_ptrs: vec![],
-            dst_tp_rank: 0,
-            dst_attn_tp_size: 1,
-            dst_kv_item_len: layout.item_len,
-            state_item_lens: vec![],
-            state_dim_per_tensor: vec![],
-            kv_layer_ids: vec![],
-            state_layer_ids: vec![],
-            staging: Default::default(),
-            dcp_size: 1,
-            dcp_rank: 0,
-            staging_slot_layer_ids: None,
-            kv_item_lens: None,
-        }
+        DecodeRegistration::plain(
+            self.me.clone(),
+            self.session.clone(),
+            layout.kv_ptrs(base),
+            layout.aux_ptrs(base + layout.pool_bytes()),
+            layout.item_len,
+        )
     }
 
     fn send(&self, frames: Vec<Vec<u8>>) {

@@ -179,6 +179,53 @@ pub struct DecodeRegistration {
 }
 
 impl DecodeRegistration {
+    /// The registration of a plain decode rank in sglang main's 18-frame form: attention-TP
+    /// rank 0 of 1, DCP 1, no state buffers, layer ids or staging ring. Other shapes set the
+    /// fields over it.
+    ///
+    /// ```
+    /// use kvx_core::{DecodeRegistration, Endpoint, SessionId};
+    /// let reg = DecodeRegistration {
+    ///     dst_tp_rank: 1,
+    ///     dst_attn_tp_size: 2,
+    ///     ..DecodeRegistration::plain(
+    ///         Endpoint::new("10.0.0.2", 41235),
+    ///         SessionId::new("10.0.0.2:15234"),
+    ///         vec![0x7f12_a000_0000, 0x7f12_b000_0000],
+    ///         vec![0x7f13_0000_0000],
+    ///         2048,
+    ///     )
+    /// };
+    /// assert!(!reg.accepts_status_reason());
+    /// ```
+    pub fn plain(
+        endpoint: Endpoint,
+        session: SessionId,
+        kv_ptrs: Vec<u64>,
+        aux_ptrs: Vec<u64>,
+        dst_kv_item_len: u64,
+    ) -> Self {
+        DecodeRegistration {
+            endpoint,
+            session,
+            kv_ptrs,
+            aux_ptrs,
+            state_ptrs: Vec::new(),
+            dst_tp_rank: 0,
+            dst_attn_tp_size: 1,
+            dst_kv_item_len,
+            state_item_lens: Vec::new(),
+            state_dim_per_tensor: Vec::new(),
+            kv_layer_ids: Vec::new(),
+            state_layer_ids: Vec::new(),
+            staging: StagingRingInfo::default(),
+            dcp_size: 1,
+            dcp_rank: 0,
+            staging_slot_layer_ids: None,
+            kv_item_lens: None,
+        }
+    }
+
     /// True when the registration shows a decode whose status parser takes an optional 4th
     /// failure-reason frame: sglang 0.5.23 always sends frame 19 (`kv_item_lens`) and parses a
     /// reason frame; sglang main ("K") sends 18 frames and dies on a 4-frame status.

@@ -716,25 +716,13 @@ mod tests {
             SessionId::new("127.0.0.1:7000"),
             Endpoint::new("127.0.0.1", 7001),
         );
-        let reg = DecodeRegistration {
-            endpoint: inbox.clone(),
-            session: session.clone(),
-            kv_ptrs: (0..4).map(|i| 0x3000_0000 + (i << 20)).collect(),
-            aux_ptrs: (0..10).map(|i| 0x4000_0000 + (i << 20)).collect(),
-            state_ptrs: vec![],
-            dst_tp_rank: 0,
-            dst_attn_tp_size: 1,
-            dst_kv_item_len: 64,
-            state_item_lens: vec![],
-            state_dim_per_tensor: vec![],
-            kv_layer_ids: vec![],
-            state_layer_ids: vec![],
-            staging: Default::default(),
-            dcp_size: 1,
-            dcp_rank: 0,
-            staging_slot_layer_ids: None,
-            kv_item_lens: None,
-        };
+        let reg = DecodeRegistration::plain(
+            inbox.clone(),
+            session.clone(),
+            (0..4).map(|i| 0x3000_0000 + (i << 20)).collect(),
+            (0..10).map(|i| 0x4000_0000 + (i << 20)).collect(),
+            64,
+        );
         let mut out = Vec::new();
         core.inbound(now, PrefillInbound::Registration(Box::new(reg)), &mut out)
             .unwrap();

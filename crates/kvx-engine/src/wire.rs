@@ -284,25 +284,13 @@ mod tests {
     use proptest::prelude::*;
 
     fn reg() -> DecodeRegistration {
-        DecodeRegistration {
-            endpoint: Endpoint::new("10.0.0.2", 41235),
-            session: SessionId::new("10.0.0.2:15234"),
-            kv_ptrs: vec![0x7f12_a000_0000, 0x7f12_b000_0000],
-            aux_ptrs: vec![1, 2, 3],
-            state_ptrs: vec![],
-            dst_tp_rank: 0,
-            dst_attn_tp_size: 1,
-            dst_kv_item_len: 2048,
-            state_item_lens: vec![],
-            state_dim_per_tensor: vec![],
-            kv_layer_ids: vec![],
-            state_layer_ids: vec![],
-            staging: Default::default(),
-            dcp_size: 1,
-            dcp_rank: 0,
-            staging_slot_layer_ids: None,
-            kv_item_lens: None,
-        }
+        DecodeRegistration::plain(
+            Endpoint::new("10.0.0.2", 41235),
+            SessionId::new("10.0.0.2:15234"),
+            vec![0x7f12_a000_0000, 0x7f12_b000_0000],
+            vec![1, 2, 3],
+            2048,
+        )
     }
 
     #[test]

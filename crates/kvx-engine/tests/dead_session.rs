@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::zmq;
-use kvx_core::{Chunk, Endpoint, KVPoll, PageSlice, Room, SessionId};
+use kvx_core::{Chunk, KVPoll, PageSlice, Room, SessionId};
 use kvx_engine::engine::{PrefillConfig, PrefillEngine};
 use kvx_engine::model::ModelPreset;
 use kvx_engine::synthetic::prefill_memory;
@@ -63,19 +63,11 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
 
     // The decode's control plane: a real PULL inbox and a PUSH to the prefill.
     let ctx = zmq::Context::new();
-    let inbox = ctx.socket(zmq::PULL).unwrap();
-    inbox.set_rcvtimeo(100).unwrap();
-    inbox.bind("tcp://127.0.0.1:*").unwrap();
-    let bound = inbox.get_last_endpoint().unwrap().unwrap();
-    let port: u16 = bound.rsplit(':').next().unwrap().parse().unwrap();
-    let me = Endpoint::new("127.0.0.1", port);
-    let push = ctx.socket(zmq::PUSH).unwrap();
-    push.set_linger(0).unwrap();
-    push.connect(&engine.endpoint().zmq_addr()).unwrap();
+    let decode = common::FakeDecodeInbox::new(&ctx, engine.endpoint());
+    let (inbox, me) = (&decode.inbox, decode.me.clone());
     let session = SessionId::new(data_addr.to_string());
     let reg = common::decode_registration(&layout, &me, &session);
-    push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
-        .unwrap();
+    decode.send(wire::encode_registration(&reg).unwrap());
     // Rooms A and B get chunks; room C is ready but its forward pass has not run yet.
     let rooms = [Room::new(501).unwrap(), Room::new(502).unwrap()];
     let waiting = Room::new(503).unwrap();
@@ -88,8 +80,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
             vec![2 * i as i32, 2 * i as i32 + 1],
             i as i64,
         );
-        push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
-            .unwrap();
+        decode.send(wire::encode_metadata(&req).unwrap());
     }
     for &room in rooms.iter().chain([&waiting]) {
         wait("metadata", || {

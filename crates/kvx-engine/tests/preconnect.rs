@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvx_bootstrap::sockets::zmq;
-use kvx_core::{Endpoint, KVPoll, Room, SessionId};
+use kvx_core::{KVPoll, Room, SessionId};
 use kvx_engine::engine::{PrefillConfig, PrefillEngine};
 use kvx_engine::model::ModelPreset;
 use kvx_engine::synthetic::prefill_memory;
@@ -46,20 +46,11 @@ fn metadata_opens_the_data_session_before_the_first_chunk() {
     }
     // The decode's control plane.
     let ctx = zmq::Context::new();
-    let inbox = ctx.socket(zmq::PULL).unwrap();
-    inbox.bind("tcp://127.0.0.1:*").unwrap();
-    let bound = inbox.get_last_endpoint().unwrap().unwrap();
-    let me = Endpoint::new(
-        "127.0.0.1",
-        bound.rsplit(':').next().unwrap().parse().unwrap(),
-    );
-    let push = ctx.socket(zmq::PUSH).unwrap();
-    push.set_linger(0).unwrap();
-    push.connect(&engine.endpoint().zmq_addr()).unwrap();
+    let decode = common::FakeDecodeInbox::new(&ctx, engine.endpoint());
+    let me = decode.me.clone();
     let session = SessionId::new(data_addr.to_string());
     let reg = common::decode_registration(&layout, &me, &session);
-    push.send_multipart(wire::encode_registration(&reg).unwrap(), 0)
-        .unwrap();
+    decode.send(wire::encode_registration(&reg).unwrap());
     // Registering opens nothing: which queue carries a room is known from its metadata.
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(accepted.load(Ordering::SeqCst), 0);
@@ -73,8 +64,7 @@ fn metadata_opens_the_data_session_before_the_first_chunk() {
     for (i, &room) in rooms.iter().enumerate() {
         engine.open_room(room).unwrap();
         let req = common::decode_metadata(room, &me, &session, vec![i as i32], i as i64);
-        push.send_multipart(wire::encode_metadata(&req).unwrap(), 0)
-            .unwrap();
+        decode.send(wire::encode_metadata(&req).unwrap());
     }
     // No chunk was handed over, yet each queue's worker has connected.
     common::wait_until(Duration::from_secs(30), "a connect per queue", || {

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::layout::{AuxLayout, KvLayout};
-use crate::peer::{Destination, StagingRingInfo};
+use crate::peer::Destination;
 use crate::planner::{BatchLimits, PlanError};
 use crate::{Chunk, PageSlice, TransferOp};
 
@@ -36,25 +36,16 @@ fn endpoint(n: u16) -> Endpoint {
 fn registration(n: u16, tp_size: u32) -> DecodeRegistration {
     let kv = KvLayout::mha_contiguous(KD + (u64::from(n) << 32), 2, 2048, 64, 1);
     DecodeRegistration {
-        endpoint: endpoint(n),
-        session: session(n),
-        kv_ptrs: kv.buffers.iter().map(|b| b.addr).collect(),
-        aux_ptrs: (0..10)
-            .map(|i| AUX_D + (u64::from(n) << 32) + (i << 20))
-            .collect(),
-        state_ptrs: Vec::new(),
-        dst_tp_rank: 0,
         dst_attn_tp_size: tp_size,
-        dst_kv_item_len: 2048,
-        state_item_lens: Vec::new(),
-        state_dim_per_tensor: Vec::new(),
-        kv_layer_ids: Vec::new(),
-        state_layer_ids: Vec::new(),
-        staging: StagingRingInfo::default(),
-        dcp_size: 1,
-        dcp_rank: 0,
-        staging_slot_layer_ids: None,
-        kv_item_lens: None,
+        ..DecodeRegistration::plain(
+            endpoint(n),
+            session(n),
+            kv.buffers.iter().map(|b| b.addr).collect(),
+            (0..10)
+                .map(|i| AUX_D + (u64::from(n) << 32) + (i << 20))
+                .collect(),
+            2048,
+        )
     }
 }
 

@@ -56,25 +56,13 @@ pub fn decode_registration(
     session: &SessionId,
 ) -> DecodeRegistration {
     let base = 0x4000_0000u64;
-    DecodeRegistration {
-        endpoint: me.clone(),
-        session: session.clone(),
-        kv_ptrs: layout.kv_ptrs(base),
-        aux_ptrs: layout.aux_ptrs(base + layout.pool_bytes()),
-        state_ptrs: vec![],
-        dst_tp_rank: 0,
-        dst_attn_tp_size: 1,
-        dst_kv_item_len: layout.item_len,
-        state_item_lens: vec![],
-        state_dim_per_tensor: vec![],
-        kv_layer_ids: vec![],
-        state_layer_ids: vec![],
-        staging: Default::default(),
-        dcp_size: 1,
-        dcp_rank: 0,
-        staging_slot_layer_ids: None,
-        kv_item_lens: None,
-    }
+    DecodeRegistration::plain(
+        me.clone(),
+        session.clone(),
+        layout.kv_ptrs(base),
+        layout.aux_ptrs(base + layout.pool_bytes()),
+        layout.item_len,
+    )
 }
 
 /// That decode's metadata for `room`: `kv_pages` into aux row `aux_index`.
@@ -97,5 +85,41 @@ pub fn decode_metadata(
         required_dst_info_num: 1,
         decode_prefix_len: Some(0),
         device_kv_pages: vec![],
+    }
+}
+
+/// A stand-in decode's control plane toward one prefill rank: a real PULL inbox on loopback
+/// (100 ms receive timeout) and a PUSH to the rank's inbox; `register` sends its registration.
+pub struct FakeDecodeInbox {
+    /// The decode's inbox.
+    pub inbox: kvx_bootstrap::sockets::zmq::Socket,
+    /// Toward the prefill rank.
+    pub push: kvx_bootstrap::sockets::zmq::Socket,
+    /// The inbox's endpoint.
+    pub me: Endpoint,
+}
+
+impl FakeDecodeInbox {
+    /// Binds the inbox and connects toward `prefill`.
+    pub fn new(ctx: &kvx_bootstrap::sockets::zmq::Context, prefill: &Endpoint) -> Self {
+        use kvx_bootstrap::sockets::zmq;
+        let inbox = ctx.socket(zmq::PULL).unwrap();
+        inbox.set_rcvtimeo(100).unwrap();
+        inbox.bind("tcp://127.0.0.1:*").unwrap();
+        let bound = inbox.get_last_endpoint().unwrap().unwrap();
+        let port: u16 = bound.rsplit(':').next().unwrap().parse().unwrap();
+        let push = ctx.socket(zmq::PUSH).unwrap();
+        push.set_linger(0).unwrap();
+        push.connect(&prefill.zmq_addr()).unwrap();
+        FakeDecodeInbox {
+            inbox,
+            push,
+            me: Endpoint::new("127.0.0.1", port),
+        }
+    }
+
+    /// Sends `frames` to the prefill rank.
+    pub fn send(&self, frames: Vec<Vec<u8>>) {
+        self.push.send_multipart(frames, 0).unwrap();
     }
 }
