@@ -615,6 +615,22 @@ impl DataPlane {
         Ok(())
     }
 
+    /// Deregisters `region`, which [`DataPlane::register_late`] registered, and lets go of it
+    /// (nothing is done for a region it does not hold). No batch reading or writing it may be in
+    /// flight.
+    pub fn deregister_late(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        let mut late = self
+            .late
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(i) = late.iter().position(|(_, r)| Arc::ptr_eq(r, region)) else {
+            return Ok(());
+        };
+        self.transport.deregister(late[i].0)?;
+        late.swap_remove(i);
+        Ok(())
+    }
+
     /// The transport.
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.transport

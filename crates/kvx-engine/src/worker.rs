@@ -124,15 +124,27 @@ pub enum Report {
 
 /// The transfer queues' staging buffers: one per queue, allocated and registered with the data
 /// plane the first time its worker gathers a chunk (a rank whose staged slices are all whole
-/// token slots never allocates one).
+/// token slots never allocates one), as large as the blocks it gathered need (grown in
+/// [`STAGE_GRANULE`] steps, never beyond the largest block the rank can stage), and
+/// deregistered and freed once unused for [`STAGE_BUFFER_IDLE`].
 pub(crate) struct StageBuffers {
+    /// The largest block the rank can stage.
     len: usize,
-    bufs: Vec<Mutex<Option<Arc<Region>>>>,
+    /// Per queue: its buffer and when a gather last took it.
+    bufs: Vec<Mutex<Option<(Arc<Region>, Instant)>>>,
+    /// Bytes allocated now.
     bytes: std::sync::atomic::AtomicU64,
 }
 
+/// A staging buffer no gather took for this long is given back (deregistered and freed): a rank
+/// that stopped staging does not keep its memory.
+pub(crate) const STAGE_BUFFER_IDLE: Duration = Duration::from_secs(60);
+
+/// Staging buffers grow in steps of this many bytes.
+pub(crate) const STAGE_GRANULE: usize = 2 << 20;
+
 impl StageBuffers {
-    /// `queues` buffers of `len` bytes, none allocated yet.
+    /// `queues` buffers for blocks of at most `len` bytes, none allocated yet.
     pub(crate) fn new(queues: usize, len: usize) -> Self {
         StageBuffers {
             len,
@@ -141,28 +153,76 @@ impl StageBuffers {
         }
     }
 
-    /// Bytes allocated so far.
+    /// Bytes allocated now.
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
 
-    /// The buffer of `shard`, allocated and registered with `plane` on first use.
-    fn get(&self, shard: usize, plane: &DataPlane) -> Result<Arc<Region>, String> {
+    /// The buffer of `shard`, at least `need` bytes long: the one it has when that is long
+    /// enough, else a longer one, registered with `plane` (the shorter one deregistered and
+    /// freed). The caller's shard has nothing in flight that reads its buffer.
+    fn get(&self, shard: usize, plane: &DataPlane, need: usize) -> Result<Arc<Region>, String> {
+        if need > self.len {
+            return Err(format!(
+                "a staged block of {need} bytes exceeds the rank's largest ({})",
+                self.len
+            ));
+        }
         let slot = self
             .bufs
             .get(shard)
             .ok_or("no staging buffer for this queue")?;
         let mut slot = lock(slot);
-        if let Some(b) = &*slot {
+        if let Some((b, used)) = &mut *slot
+            && b.len() as usize >= need
+        {
+            *used = Instant::now();
             return Ok(b.clone());
         }
-        let buf = Arc::new(Region::new(self.len));
+        if let Some((old, _)) = slot.take() {
+            self.give_back(plane, &old)?;
+        }
+        let len = need
+            .div_ceil(STAGE_GRANULE)
+            .saturating_mul(STAGE_GRANULE)
+            .min(self.len)
+            .max(need);
+        let buf = Arc::new(Region::new(len));
         plane
             .register_late(buf.clone())
             .map_err(|e| format!("registering a staging buffer: {e}"))?;
         self.bytes.fetch_add(buf.len(), Ordering::Relaxed);
-        *slot = Some(buf.clone());
+        *slot = Some((buf.clone(), Instant::now()));
         Ok(buf)
+    }
+
+    /// Gives back `shard`'s buffer when no gather took it since `now - STAGE_BUFFER_IDLE`. The
+    /// caller's shard has nothing in flight.
+    fn release_idle(&self, shard: usize, plane: &DataPlane, now: Instant) {
+        let Some(slot) = self.bufs.get(shard) else {
+            return;
+        };
+        let mut slot = lock(slot);
+        let idle = slot
+            .as_ref()
+            .is_some_and(|(_, used)| now.saturating_duration_since(*used) >= STAGE_BUFFER_IDLE);
+        if !idle {
+            return;
+        }
+        if let Some((buf, _)) = slot.take()
+            && let Err(e) = self.give_back(plane, &buf)
+        {
+            tracing::warn!(shard, error = %e, "staging buffer kept");
+            *slot = Some((buf, now));
+        }
+    }
+
+    fn give_back(&self, plane: &DataPlane, buf: &Arc<Region>) -> Result<(), String> {
+        plane
+            .deregister_late(buf)
+            .map_err(|e| format!("deregistering a staging buffer: {e}"))?;
+        self.bytes.fetch_sub(buf.len(), Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -325,6 +385,9 @@ fn worker_loop<R: From<Report>>(
                 Err(RecvTimeoutError::Timeout) if posted.is_empty() => {
                     // A departed decode leaves no connection behind.
                     sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
+                    // Nothing in flight reads the staging buffer.
+                    ctx.stage_bufs
+                        .release_idle(shard, &ctx.plane, Instant::now());
                     continue;
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -420,7 +483,11 @@ fn stage_writes(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Vec<Tran
 /// Gathers a staged chunk's head slices into this shard's staging buffer, page by page (only
 /// the chunk's own pages are read), and returns the one write that carries the block.
 fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<TransferOp, String> {
-    let buf = ctx.stage_bufs.get(shard, &ctx.plane)?;
+    let buf = ctx.stage_bufs.get(
+        shard,
+        &ctx.plane,
+        usize::try_from(w.len).unwrap_or(usize::MAX),
+    )?;
     let n = w.src_pages.len();
     let page_bytes = w.spec.block_len(1, 1);
     let need = w.spec.block_len(ctx.mem.kv_ptrs.len(), n);
@@ -634,4 +701,56 @@ fn completed(
 fn peer_failed(session: &SessionId, e: &TransportError) -> String {
     metrics::counter!("kvx_session_failures_total").increment(1);
     format!("decode session {session} failed: {e}")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::plane::Backend;
+
+    const MIB: usize = 1 << 20;
+
+    fn registered(plane: &DataPlane) -> Vec<(u64, u64)> {
+        let d = plane.transport().descriptor();
+        d.regions.iter().map(|r| (r.base, r.len)).collect()
+    }
+
+    #[test]
+    fn staging_buffers_grow_to_the_blocks_and_go_back_when_idle() {
+        let plane = DataPlane::client(Backend::Local, "stage-bufs-test", 1, Vec::new()).unwrap();
+        let bufs = StageBuffers::new(2, 16 * MIB);
+        // The first gather allocates what its block needs, in granules.
+        let a = bufs.get(0, &plane, 3 * MIB).unwrap();
+        assert_eq!(a.len() as usize, 4 * MIB);
+        assert_eq!(bufs.bytes() as usize, 4 * MIB);
+        assert_eq!(registered(&plane), [(a.base(), a.len())]);
+        // A block that fits takes the same buffer.
+        assert!(Arc::ptr_eq(&a, &bufs.get(0, &plane, 4 * MIB).unwrap()));
+        // A longer one replaces it: the shorter one is deregistered.
+        let b = bufs.get(0, &plane, 5 * MIB + 1).unwrap();
+        assert_eq!(b.len() as usize, 6 * MIB);
+        assert_eq!(bufs.bytes() as usize, 6 * MIB);
+        assert_eq!(registered(&plane), [(b.base(), b.len())]);
+        // Never beyond the rank's largest block.
+        assert!(bufs.get(1, &plane, 16 * MIB + 1).is_err());
+        assert_eq!(
+            bufs.get(1, &plane, 15 * MIB).unwrap().len() as usize,
+            16 * MIB
+        );
+        assert_eq!(bufs.bytes() as usize, 22 * MIB);
+        // Idle buffers go back; a buffer used within the limit stays.
+        let now = Instant::now();
+        bufs.release_idle(0, &plane, now);
+        assert_eq!(bufs.bytes() as usize, 22 * MIB);
+        bufs.release_idle(0, &plane, now + STAGE_BUFFER_IDLE);
+        assert_eq!(bufs.bytes() as usize, 16 * MIB);
+        assert!(!registered(&plane).contains(&(b.base(), b.len())));
+        bufs.release_idle(1, &plane, now + STAGE_BUFFER_IDLE);
+        assert_eq!(bufs.bytes(), 0);
+        assert!(registered(&plane).is_empty());
+        // The next gather allocates again.
+        assert_eq!(bufs.get(0, &plane, MIB).unwrap().len() as usize, 2 * MIB);
+    }
 }

@@ -365,17 +365,14 @@ impl PrefillManager {
     /// already held means the decode restarted under the same session id: its memory is new,
     /// and the page lists of its earlier rooms no longer belong to them. Every open room writing
     /// to the session fails (its decode is told, which the new process ignores) before a later
-    /// chunk could write the old pages into the new process (found by kvx-sim, seed 65).
+    /// chunk could write the old pages into the new process (found by kvx-sim, seed 65). A
+    /// restarted decode that registers a new session from the same inbox (kvx's own decodes:
+    /// the session names the process instance) ends its old session the same way: the rooms
+    /// writing to it fail at once rather than wait, with nothing in flight, for a decode that is
+    /// gone — while their other decode ranks time out (found by kvx-sim, seed 3298).
     fn register(&mut self, reg: DecodeRegistration, out: &mut Vec<PrefillAction>) {
         if self.sessions.contains_key(&reg.session) {
-            for room in self.open_rooms_writing_to(&reg.session) {
-                let err = RoomError::SessionDead {
-                    room,
-                    session: reg.session.clone(),
-                };
-                self.fail(room, err, true, out);
-                self.try_release(room, out);
-            }
+            self.fail_rooms_writing_to(&reg.session, out);
         }
         self.failed.remove(&reg.session);
         let stale: Vec<SessionId> = self
@@ -385,6 +382,7 @@ impl PrefillManager {
             .map(|(id, _)| id.clone())
             .collect();
         for id in stale {
+            self.fail_rooms_writing_to(&id, out);
             self.sessions.remove(&id);
             self.failed.remove(&id);
         }
@@ -763,6 +761,19 @@ impl PrefillManager {
 
     /// The open rooms with a non-dummy destination on `session`, in room order (the same
     /// inputs give the same actions).
+    /// Fails every open room writing to `session` (its decode restarted), each released once
+    /// nothing of it is in flight.
+    fn fail_rooms_writing_to(&mut self, session: &SessionId, out: &mut Vec<PrefillAction>) {
+        for room in self.open_rooms_writing_to(session) {
+            let err = RoomError::SessionDead {
+                room,
+                session: session.clone(),
+            };
+            self.fail(room, err, true, out);
+            self.try_release(room, out);
+        }
+    }
+
     fn open_rooms_writing_to(&self, session: &SessionId) -> Vec<Room> {
         let mut rooms: Vec<Room> = self
             .rooms

@@ -799,12 +799,22 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
     assert_eq!(h.mgr.live_entries().sessions, 2);
     assert!(h.mgr.registration(&session(3)).is_none());
     assert!(h.mgr.registration(&session(2)).is_some());
-    // A decode inbox that registers a new session (a restarted decode) replaces its old one.
+    // A decode inbox that registers a new session (a restarted decode) replaces its old one,
+    // and the room writing to the old one fails at once (its decode process is gone).
+    assert_eq!(h.mgr.poll(room(1)), Some(KVPoll::WaitingForInput));
     let restarted = DecodeRegistration {
         session: SessionId::new("10.0.0.2:16000"),
         ..registration(2, 1)
     };
-    h.ev(PrefillEvent::Register(restarted));
+    let out = h.ev(PrefillEvent::Register(restarted));
+    assert_eq!(h.mgr.poll(room(1)), Some(KVPoll::Failed));
+    assert!(
+        out.iter().any(|a| matches!(
+            a,
+            PrefillAction::SendStatus { room: r, status: KVPoll::Failed, .. } if *r == room(1)
+        )),
+        "{out:?}"
+    );
     assert!(h.mgr.registration(&session(2)).is_none());
     assert!(
         h.mgr
