@@ -520,9 +520,9 @@ impl PrefillEngine {
         self.busy.total()
     }
 
-    /// Bytes of memory the engine allocated and registered itself so far (with `staging`, the
-    /// staging buffers of the transfer queues that needed one), beside the caller's
-    /// [`PrefillMemory`].
+    /// Bytes of memory the engine holds allocated and registered itself now (with `staging`,
+    /// the staging buffers of the transfer queues that gathered a block in the last minute),
+    /// beside the caller's [`PrefillMemory`].
     pub fn own_memory_bytes(&self) -> u64 {
         self.stage_bufs.bytes()
     }
