@@ -131,10 +131,13 @@ pub(crate) struct StageBuffers {
     /// The largest block the rank can stage.
     len: usize,
     /// Per queue: its buffer and when a gather last took it.
-    bufs: Vec<Mutex<Option<(Arc<Region>, Instant)>>>,
+    bufs: Vec<Mutex<Option<StageBuffer>>>,
     /// Bytes allocated now.
     bytes: std::sync::atomic::AtomicU64,
 }
+
+/// A queue's staging buffer and when a gather last took it.
+type StageBuffer = (Arc<Region>, Instant);
 
 /// A staging buffer no gather took for this long is given back (deregistered and freed): a rank
 /// that stopped staging does not keep its memory.
