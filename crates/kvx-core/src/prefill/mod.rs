@@ -359,7 +359,8 @@ impl PrefillManager {
 
     /// Records a registration: clears the session's failed mark, replaces older sessions of the
     /// same decode inbox (a restarted decode), and evicts the least recently used session when
-    /// [`PrefillConfig::max_sessions`] are held.
+    /// [`PrefillConfig::max_sessions`] are held (failing the open rooms writing to a session it
+    /// drops: none of them could be planned again).
     ///
     /// A decode registers once per prefill rank when it starts, so a registration of a session
     /// already held means the decode restarted under the same session id: its memory is new,
@@ -394,6 +395,8 @@ impl PrefillManager {
                 .min_by_key(|(_, (_, used))| *used)
                 .map(|(id, _)| id.clone())
         {
+            // Rooms still writing to it could never be planned again.
+            self.fail_rooms_writing_to(&lru, out);
             self.sessions.remove(&lru);
             self.failed.remove(&lru);
         }

@@ -825,6 +825,46 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
 }
 
 #[test]
+fn evicting_a_session_fails_the_rooms_writing_to_it() {
+    let cfg = PrefillConfig {
+        max_sessions: 2,
+        ..PrefillConfig::default()
+    };
+    let mut h = Harness::new(cfg);
+    for n in [2, 3] {
+        h.ev(PrefillEvent::Register(registration(n, 1)));
+    }
+    // Room 5 writes to session 3; session 2 is used after it, so 3 is the least recently used.
+    h.open(room(5));
+    h.ev(PrefillEvent::Metadata(metadata(
+        room(5),
+        3,
+        Some(vec![1]),
+        1,
+    )));
+    h.ev(PrefillEvent::Metadata(metadata(
+        room(6),
+        2,
+        Some(vec![2]),
+        1,
+    )));
+    assert_eq!(h.mgr.poll(room(5)), Some(KVPoll::WaitingForInput));
+    // A third decode registers: session 3 goes, and room 5 with it (it could never be planned).
+    let out = h.ev(PrefillEvent::Register(registration(4, 1)));
+    assert!(h.mgr.registration(&session(3)).is_none());
+    // Failed, told, and (nothing in flight) dropped at once.
+    assert_eq!(h.mgr.poll(room(5)), None);
+    assert!(
+        out.iter().any(|a| matches!(
+            a,
+            PrefillAction::SendStatus { room: r, status: KVPoll::Failed, .. } if *r == room(5)
+        )),
+        "{out:?}"
+    );
+    assert!(h.mgr.poll(room(6)).is_some_and(|s| !s.is_terminal()));
+}
+
+#[test]
 fn unopened_rooms_are_bounded_and_expire_at_their_deadline() {
     let cfg = PrefillConfig {
         max_unopened_rooms: 2,
