@@ -764,8 +764,8 @@ impl PrefillManager {
 
     /// The open rooms with a non-dummy destination on `session`, in room order (the same
     /// inputs give the same actions).
-    /// Fails every open room writing to `session` (its decode restarted), each released once
-    /// nothing of it is in flight.
+    /// Fails every open room writing to `session` (in room order), each released once nothing
+    /// of it is in flight.
     fn fail_rooms_writing_to(&mut self, session: &SessionId, out: &mut Vec<PrefillAction>) {
         for room in self.open_rooms_writing_to(session) {
             let err = RoomError::SessionDead {
@@ -800,14 +800,7 @@ impl PrefillManager {
         if let Some(until) = now.checked_add(self.cfg.failed_session_ttl) {
             self.failed.insert(session.clone(), until);
         }
-        for room in self.open_rooms_writing_to(session) {
-            let err = RoomError::SessionDead {
-                room,
-                session: session.clone(),
-            };
-            self.fail(room, err, true, out);
-            self.try_release(room, out);
-        }
+        self.fail_rooms_writing_to(session, out);
     }
 
     /// A decode's `ABORT`: the room fails (unless already terminal) and its ACK goes out once

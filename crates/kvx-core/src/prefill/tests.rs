@@ -777,8 +777,8 @@ fn a_failed_batch_fails_every_open_room_of_its_session() {
     assert!(h.mgr.live_entries().is_empty());
 }
 
-#[test]
-fn registrations_are_bounded_and_replaced_on_re_registration() {
+/// A manager that holds two sessions at most, with sessions 2 and 3 registered.
+fn two_sessions_at_most() -> Harness {
     let cfg = PrefillConfig {
         max_sessions: 2,
         ..PrefillConfig::default()
@@ -787,6 +787,12 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
     for n in [2, 3] {
         h.ev(PrefillEvent::Register(registration(n, 1)));
     }
+    h
+}
+
+#[test]
+fn registrations_are_bounded_and_replaced_on_re_registration() {
+    let mut h = two_sessions_at_most();
     // Session 2 is used (metadata) after 3 registered: 3 is the least recently used.
     h.ev(PrefillEvent::Metadata(metadata(room(1), 2, None, 1)));
     h.ev(PrefillEvent::Metadata(metadata(
@@ -826,14 +832,7 @@ fn registrations_are_bounded_and_replaced_on_re_registration() {
 
 #[test]
 fn evicting_a_session_fails_the_rooms_writing_to_it() {
-    let cfg = PrefillConfig {
-        max_sessions: 2,
-        ..PrefillConfig::default()
-    };
-    let mut h = Harness::new(cfg);
-    for n in [2, 3] {
-        h.ev(PrefillEvent::Register(registration(n, 1)));
-    }
+    let mut h = two_sessions_at_most();
     // Room 5 writes to session 3; session 2 is used after it, so 3 is the least recently used.
     h.open(room(5));
     h.ev(PrefillEvent::Metadata(metadata(
