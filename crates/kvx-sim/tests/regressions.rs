@@ -51,11 +51,13 @@ fn run_clean(seed: u64) -> kvx_sim::SeedOutcome {
 /// waited for ring space when that decode crashed and came back as a new session from the same
 /// inbox; the prefill dropped the old session but not the room, and the room's other decode
 /// ranks timed out (kvx-core: a registration replacing an inbox's session fails the rooms
-/// writing to the old one).
+/// writing to the old one). 6045 (once a `Work::Connect` held its worker for a handshake): a model
+/// fix — a rank that exits after its fatal fault may leave `Work::Connect` jobs queued, which
+/// write nothing; the exit check counts only jobs that write.
 #[test]
 fn seeds_found_on_the_way_stay_clean() {
     for seed in [
-        7, 9, 28, 40, 51, 65, 71, 90, 106, 121, 134, 1994, 3298, 8348, 28158,
+        7, 9, 28, 40, 51, 65, 71, 90, 106, 121, 134, 1994, 3298, 6045, 8348, 28158,
     ] {
         let out = run_clean(seed);
         assert!(out.steps > 100, "seed {seed} ran {} steps", out.steps);

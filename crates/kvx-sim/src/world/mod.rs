@@ -123,6 +123,18 @@ pub enum Ev {
         /// The queue shard.
         shard: usize,
     },
+    /// The worker of prefill rank `p`'s `shard` finished opening a data session
+    /// (`Work::Connect` number `id`) and takes its next jobs.
+    Connected {
+        /// Rank.
+        p: u32,
+        /// Incarnation.
+        inc: u32,
+        /// The queue shard.
+        shard: usize,
+        /// The connect job.
+        id: u64,
+    },
     /// A fatal fault hits a worker of prefill rank `p` (it dies once its posted jobs answered).
     Fatal {
         /// Rank.
@@ -691,6 +703,7 @@ impl World {
             Ev::DecodeCrash { d } => self.decode_crash(d),
             Ev::DecodeRestart { d } => self.decode_restart(d),
             Ev::Pump { p, inc, shard } => self.worker_pump(p, inc, shard),
+            Ev::Connected { p, inc, shard, id } => self.worker_connected(p, inc, shard, id),
             Ev::Probe {
                 p,
                 inc,

@@ -463,7 +463,7 @@ impl World {
         self.check.check(Inv::NoLeak, ok, None, || {
             format!("prefill rank {p} exits after its fatal fault holding {live:?}")
         });
-        let posted = n.workers.posted();
+        let posted = n.workers.writes_posted();
         self.check.check(Inv::NoLeak, posted == 0, None, || {
             format!("prefill rank {p} exits with {posted} jobs still posted")
         });

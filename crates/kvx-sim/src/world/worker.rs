@@ -3,8 +3,10 @@
 //! [`DEPTH`] jobs posted to the data plane — a staged chunk gathered into the staging buffer
 //! alone —, skipping a job whose room's
 //! cancel flag (set by the core) is up when it takes it, and reporting each job to the core once
-//! the data plane answered it. A worker hit by a fatal fault stops taking jobs, answers what it
-//! posted, then reports its death; the core restarts it or buries its shard.
+//! the data plane answered it. A `Work::Connect` holds its worker for a handshake (two round
+//! trips of the data plane) while it takes nothing else, and is not reported. A worker hit by a
+//! fatal fault stops taking jobs, answers what it posted, then reports its death; the core
+//! restarts it or buries its shard.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -36,6 +38,8 @@ struct Shard {
     dead: bool,
     /// A pump of this shard is scheduled.
     pump: bool,
+    /// The `Work::Connect` whose handshake the worker waits for (it takes nothing meanwhile).
+    connecting: Option<u64>,
 }
 
 /// The workers of one prefill rank.
@@ -63,6 +67,15 @@ impl Workers {
     /// Jobs posted or queued and not reported yet.
     pub fn posted(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// Of [`Workers::posted`], the jobs that write (a `Work::Connect` still queued when the
+    /// process exits writes nothing).
+    pub fn writes_posted(&self) -> usize {
+        self.jobs
+            .values()
+            .filter(|(_, j)| !matches!(j.work, Work::Connect))
+            .count()
     }
 
     /// Shards.
@@ -138,7 +151,7 @@ impl World {
             let Some(s) = w.shards.get_mut(shard) else {
                 return;
             };
-            if s.dying || s.dead || s.alone {
+            if s.dying || s.dead || s.alone || s.connecting.is_some() {
                 return;
             }
             let Some(&id) = s.queue.front() else {
@@ -157,11 +170,20 @@ impl World {
             let connect = matches!(job.work, Work::Connect);
             self.dequeued(p, id, room);
             if connect {
-                // The simulated data plane has no handshake: the session is open at once, and
-                // the worker reports nothing.
+                // The worker opens its session (a handshake: two round trips of the data
+                // plane) and takes nothing else meanwhile; it reports nothing.
                 self.prefills[p as usize].workers.jobs.remove(&id);
                 self.stats.preconnects += 1;
-                continue;
+                let d = self.sc.data;
+                let rtt = self.rng.range(d.min_lat, d.max_lat.max(d.min_lat + 1));
+                let at = self.clock.now() + 2 * rtt;
+                let n = &mut self.prefills[p as usize];
+                if let Some(s) = n.workers.shards.get_mut(shard) {
+                    s.connecting = Some(id);
+                }
+                let inc = n.inc;
+                self.schedule(at, Ev::Connected { p, inc, shard, id });
+                return;
             }
             let w = &mut self.prefills[p as usize].workers;
             let Some(s) = w.shards.get_mut(shard) else {
@@ -352,11 +374,26 @@ impl World {
         });
     }
 
+    /// The worker of `shard` opened the session of `Work::Connect` `id`.
+    pub(crate) fn worker_connected(&mut self, p: u32, inc: u32, shard: usize, id: u64) {
+        let n = &mut self.prefills[p as usize];
+        if n.inc != inc || n.down {
+            return;
+        }
+        if let Some(s) = n.workers.shards.get_mut(shard)
+            && s.connecting == Some(id)
+        {
+            s.connecting = None;
+            self.schedule_pump(p, shard);
+        }
+    }
+
     /// `Output::RestartWorker`: a fresh worker takes the shard's queue.
     pub(crate) fn worker_restart(&mut self, p: u32, shard: usize) {
         self.stats.worker_restarts += 1;
         if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
             s.dying = false;
+            s.connecting = None;
         }
         self.schedule_pump(p, shard);
     }
