@@ -762,8 +762,6 @@ impl PrefillManager {
         Ok(())
     }
 
-    /// The open rooms with a non-dummy destination on `session`, in room order (the same
-    /// inputs give the same actions).
     /// Fails every open room writing to `session` (in room order), each released once nothing
     /// of it is in flight.
     fn fail_rooms_writing_to(&mut self, session: &SessionId, out: &mut Vec<PrefillAction>) {
@@ -777,6 +775,8 @@ impl PrefillManager {
         }
     }
 
+    /// The open rooms with a non-dummy destination on `session`, in room order (the same
+    /// inputs give the same actions).
     fn open_rooms_writing_to(&self, session: &SessionId) -> Vec<Room> {
         let mut rooms: Vec<Room> = self
             .rooms
