@@ -246,16 +246,18 @@ mod tests {
         let mut n = Notifier::new(&ctx);
         n.prepare(&ep);
         let t0 = Instant::now();
-        loop {
+        // The accepted connection stays open: dropped, the socket's monitor would report the
+        // disconnect and housekeeping would rightly close the socket.
+        let _peer = loop {
             match listener.accept() {
-                Ok(_) => break,
+                Ok((stream, _)) => break stream,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     assert!(t0.elapsed() < Duration::from_secs(10), "no connect");
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(e) => panic!("{e}"),
             }
-        }
+        };
         n.housekeeping();
         assert!(n.cache.contains(&ep), "a prepared socket closed as idle");
     }
