@@ -258,6 +258,14 @@ pub struct PrefillArgs {
     /// Send aux rows as AUX_DATA messages over ZMQ instead of writing them.
     #[arg(long, env = "SGLANG_MOONCAKE_SEND_AUX_TCP", value_parser = validate::sglang_bool)]
     pub aux_over_tcp: bool,
+    /// Microseconds the rank's loop keeps polling for its next input after one, before it
+    /// sleeps (0: sleep at once; saves CPU, costs latency).
+    #[arg(
+        long,
+        default_value_t = kvx_engine::engine::DEFAULT_LOOP_SPIN_US,
+        value_parser = clap::value_parser!(u64).range(0..=10_000)
+    )]
+    pub loop_spin_us: u64,
     /// Drain on SIGINT/SIGTERM.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,

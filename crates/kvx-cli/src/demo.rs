@@ -80,6 +80,7 @@ pub fn run(args: DemoArgs) -> Result<i32> {
                 staging: args.staging.clone(),
                 staging_wait_timeout: 60.0,
                 aux_over_tcp: false,
+                loop_spin_us: kvx_engine::engine::DEFAULT_LOOP_SPIN_US,
                 lifecycle: LifecycleArgs::default(),
                 reregister_interval: 5.0,
                 rank_health_interval: 5.0,

@@ -81,6 +81,7 @@ pub fn start_rank(
         chunked_prefill_size: args.staging.chunked_prefill_size,
         staging_wait_timeout: validate::duration(args.staging_wait_timeout),
         aux_over_tcp: args.aux_over_tcp,
+        loop_spin: Duration::from_micros(args.loop_spin_us),
     };
     let model = SyntheticModel {
         layout,

@@ -108,6 +108,9 @@ use crate::prefill_core::{CoreConfig, PrefillCore, View};
 use notifier::Notifier;
 use owner::{Call, Input, Owner, Parts};
 
+/// [`PrefillConfig::loop_spin`]'s default, in microseconds.
+pub const DEFAULT_LOOP_SPIN_US: u64 = 100;
+
 /// Settings of one prefill rank.
 #[derive(Clone, Debug)]
 pub struct PrefillConfig {
@@ -160,6 +163,13 @@ pub struct PrefillConfig {
     /// Send aux rows as `AUX_DATA` messages on the control plane instead of writing them
     /// (sglang's `SGLANG_MOONCAKE_SEND_AUX_TCP`).
     pub aux_over_tcp: bool,
+    /// How long the rank's loop keeps polling its queue (yielding the CPU between polls) after
+    /// it handled an input, before it sleeps (default [`DEFAULT_LOOP_SPIN_US`] µs; zero: it
+    /// sleeps at once). The next input — a worker's completion after a post, the embedder's
+    /// next chunk — is then taken without a wake-up, for at most that long of CPU per input
+    /// (`docs/benchmarks.md`, sixth session: empty rooms and bulk rooms both gain on a
+    /// 2-vCPU guest).
+    pub loop_spin: Duration,
 }
 
 impl Default for PrefillConfig {
@@ -187,6 +197,7 @@ impl Default for PrefillConfig {
             chunked_prefill_size: kvx_staging::grid::DEFAULT_CHUNKED_PREFILL_SIZE,
             staging_wait_timeout: Duration::from_secs(60),
             aux_over_tcp: false,
+            loop_spin: Duration::from_micros(DEFAULT_LOOP_SPIN_US),
         }
     }
 }
@@ -477,6 +488,7 @@ impl PrefillEngine {
             events: cfg.events.then_some(events_tx),
             fatal_tx,
             stop: stop.clone(),
+            spin: cfg.loop_spin,
         });
         for (shard, q) in queues.into_iter().enumerate() {
             worker::spawn_worker(workers.clone(), shard, q, inputs_tx.clone())?;

@@ -114,6 +114,9 @@ struct Args {
     /// `aux_over_tcp`): an empty room then has no data-plane write at all.
     #[arg(long)]
     aux_over_tcp: bool,
+    /// `PrefillConfig::loop_spin` in microseconds (0: the loop sleeps at once).
+    #[arg(long, default_value_t = kvx_engine::engine::DEFAULT_LOOP_SPIN_US)]
+    loop_spin_us: u64,
     /// Idle this many milliseconds before each measured room (beyond the engines' data-session
     /// idle limit, every room finds its sessions closed).
     #[arg(long, default_value_t = 0)]
@@ -301,6 +304,7 @@ fn main() -> Result<()> {
             staging: a.staging_ring_mib.is_some(),
             chunked_prefill_size: a.chunked_prefill_size,
             aux_over_tcp: a.aux_over_tcp,
+            loop_spin: Duration::from_micros(a.loop_spin_us),
             max_batch_ops: a
                 .max_batch_ops
                 .unwrap_or(PrefillConfig::default().max_batch_ops),

@@ -23,6 +23,38 @@ use crate::prefill_core::{HOUSEKEEPING, Output, PrefillCore, View};
 use crate::wire::{self, PrefillInbound};
 use crate::worker::{self, Job, JobQueue, Outcome, Report, WorkerCtx};
 
+/// The loop's next input, waiting at most `wait`: first polled, yielding the CPU between
+/// polls, for up to `spin` (the loop spins only right after an input: one input is usually
+/// followed by another within tens of microseconds — a worker's report after a post, the next
+/// chunk after a call), then slept for. A sleeping loop is woken through a futex, which on a
+/// virtual machine whose other vCPU idles costs 30-60 µs at the tail; a polling loop takes the
+/// input at once and keeps its vCPU from idling (docs/benchmarks.md, sixth session).
+fn next_input(
+    inputs: &Receiver<Input>,
+    spin: Duration,
+    wait: Duration,
+) -> Result<Input, RecvTimeoutError> {
+    if !spin.is_zero() {
+        let start = Instant::now();
+        let until = spin.min(wait);
+        loop {
+            match inputs.try_recv() {
+                Ok(input) => return Ok(input),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    return Err(RecvTimeoutError::Disconnected);
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+            let spent = start.elapsed();
+            if spent >= until {
+                return inputs.recv_timeout(wait.saturating_sub(spent));
+            }
+            std::thread::yield_now();
+        }
+    }
+    inputs.recv_timeout(wait)
+}
+
 /// An embedder call, answered on `reply`.
 pub(crate) enum Call {
     Open {
@@ -95,6 +127,8 @@ pub(crate) struct Parts {
     pub events: Option<Sender<EngineEvent>>,
     pub fatal_tx: Sender<Arc<TransferThreadFailed>>,
     pub stop: Arc<AtomicBool>,
+    /// [`super::PrefillConfig::loop_spin`].
+    pub spin: Duration,
 }
 
 /// The loop's state: the core and the I/O it performs outputs with.
@@ -113,6 +147,8 @@ pub(crate) struct Owner {
     stop: Arc<AtomicBool>,
     /// When the notifier's idle sockets are next closed.
     next_housekeeping: Instant,
+    /// How long the loop polls its queue after an input before it sleeps.
+    spin: Duration,
 }
 
 impl Owner {
@@ -130,11 +166,13 @@ impl Owner {
             fatal_tx: p.fatal_tx,
             stop: p.stop,
             next_housekeeping: Instant::now() + HOUSEKEEPING,
+            spin: p.spin,
         }
     }
 
     /// Runs until [`Input::Stop`], the rank's stop flag, or every input sender is gone.
     pub(crate) fn run(mut self, inputs: &Receiver<Input>) {
+        let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
             let now = Instant::now();
             let mut due = self.next_housekeeping;
@@ -144,10 +182,14 @@ impl Owner {
             if let Some(t) = self.notifier.retry_due() {
                 due = due.min(t);
             }
-            match inputs.recv_timeout(due.saturating_duration_since(now)) {
+            let spin = if busy { self.spin } else { Duration::ZERO };
+            match next_input(inputs, spin, due.saturating_duration_since(now)) {
                 Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => break,
-                Ok(input) => self.input(input),
-                Err(RecvTimeoutError::Timeout) => {}
+                Ok(input) => {
+                    busy = true;
+                    self.input(input);
+                }
+                Err(RecvTimeoutError::Timeout) => busy = false,
             }
             self.on_time(Instant::now());
         }
@@ -384,5 +426,45 @@ impl Owner {
         self.notifier.flush(timeout);
         // ZMQ writes asynchronously; give its I/O thread a moment on loopback.
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn an_input_after_the_spin_is_still_taken() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(Input::Stop).unwrap();
+            tx
+        });
+        let got = next_input(&rx, Duration::from_micros(100), Duration::from_secs(10));
+        assert!(matches!(got, Ok(Input::Stop)));
+        drop(sender.join().unwrap());
+    }
+
+    #[test]
+    fn an_input_during_the_spin_is_taken_and_nothing_waits_its_wait_out() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        tx.send(Input::Stop).unwrap();
+        let got = next_input(&rx, Duration::from_secs(10), Duration::from_secs(10));
+        assert!(matches!(got, Ok(Input::Stop)));
+        // Nothing more: the wait ends at `wait`, spin or not.
+        for spin in [
+            Duration::ZERO,
+            Duration::from_micros(100),
+            Duration::from_secs(10),
+        ] {
+            let got = next_input(&rx, spin, Duration::from_millis(1));
+            assert!(matches!(got, Err(RecvTimeoutError::Timeout)));
+        }
+        drop(tx);
+        let got = next_input(&rx, Duration::from_secs(10), Duration::from_secs(10));
+        assert!(matches!(got, Err(RecvTimeoutError::Disconnected)));
     }
 }
