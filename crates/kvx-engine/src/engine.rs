@@ -463,7 +463,7 @@ impl PrefillEngine {
             stage_bufs: stage_bufs.clone(),
             stop: stop.clone(),
             busy: busy.clone(),
-            dead_sessions: Mutex::new(std::collections::HashMap::new()),
+            marks: Mutex::default(),
         });
         let core = PrefillCore::new(
             CoreConfig {

@@ -239,32 +239,96 @@ pub(crate) struct WorkerCtx {
     pub(crate) stop: Arc<AtomicBool>,
     /// Time with at least one batch of the rank in flight.
     pub(crate) busy: Arc<BusyClock>,
-    /// Decode sessions a worker found dead, until when: the session's jobs queued on any worker
-    /// behind the failed one fail at once, without a connect attempt each, before the loop has
-    /// even seen the failure. The loop clears a mark when the session registers again.
-    /// Each with until when and why it was found dead.
-    pub(crate) dead_sessions: Mutex<HashMap<SessionId, (Instant, String)>>,
+    /// Decode sessions a worker found dead, and when each last registered again.
+    pub(crate) marks: Mutex<SessionMarks>,
 }
 
 impl WorkerCtx {
-    /// Forgets that `session` was found dead (it registered again).
+    /// Forgets that `session` was found dead: it registered again (a decode that restarted).
     pub(crate) fn revive(&self, session: &SessionId) {
-        lock(&self.dead_sessions).remove(session);
+        lock(&self.marks).revive(session, Instant::now());
     }
 
     /// Why `session` was found dead, while the mark lasts.
     fn dead_cause(&self, session: &SessionId) -> Option<String> {
-        let mut dead = lock(&self.dead_sessions);
-        let now = Instant::now();
-        dead.retain(|_, (until, _)| *until > now);
-        dead.get(session).map(|(_, cause)| cause.clone())
+        lock(&self.marks).dead_cause(session, Instant::now())
     }
 
-    fn mark_dead(&self, session: &SessionId, cause: &str) {
-        let until = Instant::now() + kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
-        lock(&self.dead_sessions).insert(session.clone(), (until, cause.to_owned()));
+    /// Marks `session` dead after an attempt on it that began at `began` failed.
+    fn mark_dead(&self, session: &SessionId, cause: &str, began: Instant) {
+        if !lock(&self.marks).mark_dead(session, cause, began, Instant::now()) {
+            tracing::info!(%session, cause, "a failure of the session's earlier registration; not marked dead");
+        }
+    }
+
+    /// True when `session` registered again after `t`: what was opened towards it before that
+    /// went to the decode's earlier process.
+    fn revived_since(&self, session: &SessionId, t: Instant) -> bool {
+        lock(&self.marks).revived_since(session, t)
     }
 }
+
+/// How long a session found dead stays marked, and how long a registration is remembered.
+const MARK_TTL: Duration = kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
+
+/// Decode sessions the workers found dead, until when and why: the session's jobs queued on any
+/// worker behind the failed one fail at once, without a connect attempt each, before the loop
+/// has even seen the failure. A registration of the session (its decode restarted) clears its
+/// mark, and a failure of an attempt that began before that registration — a connect or a
+/// batch towards the earlier process, answered late — marks nothing: it says nothing of the
+/// new process. Pure: every call takes `now`.
+#[derive(Debug, Default)]
+pub(crate) struct SessionMarks {
+    dead: HashMap<SessionId, (Instant, String)>,
+    /// When each session last registered, for [`MARK_TTL`].
+    revived: HashMap<SessionId, Instant>,
+}
+
+impl SessionMarks {
+    fn revive(&mut self, session: &SessionId, now: Instant) {
+        self.dead.remove(session);
+        self.revived
+            .retain(|_, at| now.saturating_duration_since(*at) < MARK_TTL);
+        self.revived.insert(session.clone(), now);
+    }
+
+    fn dead_cause(&mut self, session: &SessionId, now: Instant) -> Option<String> {
+        self.dead.retain(|_, (until, _)| *until > now);
+        self.dead.get(session).map(|(_, cause)| cause.clone())
+    }
+
+    /// False (nothing marked) when the session registered again after `began`.
+    fn mark_dead(
+        &mut self,
+        session: &SessionId,
+        cause: &str,
+        began: Instant,
+        now: Instant,
+    ) -> bool {
+        if self.revived_since(session, began) {
+            return false;
+        }
+        self.dead
+            .insert(session.clone(), (now + MARK_TTL, cause.to_owned()));
+        true
+    }
+
+    fn revived_since(&self, session: &SessionId, t: Instant) -> bool {
+        self.revived.get(session).is_some_and(|&at| at > t)
+    }
+}
+
+/// A worker's open data session towards one decode.
+struct Cached {
+    session: Arc<dyn Session>,
+    /// When a job last used it (closed after [`SESSION_IDLE`]).
+    used: Instant,
+    /// When it was opened.
+    opened: Instant,
+}
+
+/// A worker's open data sessions.
+type Sessions = HashMap<SessionId, Cached>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -298,6 +362,8 @@ struct Writing {
     fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
     /// When it was posted (`kvx_batch_latency_seconds`).
     t0: Instant,
+    /// When the session it was posted on was opened.
+    opened: Instant,
     /// Runs the rank's transfer busy clock until the completion was awaited.
     _busy: Busy,
 }
@@ -319,7 +385,7 @@ fn worker_loop<R: From<Report>>(
     queue: &Mutex<Receiver<Job>>,
     reports: &SyncSender<R>,
 ) -> Option<(Option<Job>, WorkerFault)> {
-    let mut sessions: HashMap<SessionId, (Arc<dyn Session>, Instant)> = HashMap::new();
+    let mut sessions: Sessions = HashMap::new();
     let mut posted: VecDeque<(Job, Writing)> = VecDeque::new();
     let report = |job: Job, outcome: Outcome| {
         reports
@@ -387,7 +453,7 @@ fn worker_loop<R: From<Report>>(
                 }
                 Err(RecvTimeoutError::Timeout) if posted.is_empty() => {
                     // A departed decode leaves no connection behind.
-                    sessions.retain(|_, (s, used)| s.is_alive() && used.elapsed() < SESSION_IDLE);
+                    sessions.retain(|_, c| c.session.is_alive() && c.used.elapsed() < SESSION_IDLE);
                     // Nothing in flight reads the staging buffer.
                     ctx.stage_bufs
                         .release_idle(shard, &ctx.plane, Instant::now());
@@ -418,7 +484,7 @@ fn worker_loop<R: From<Report>>(
                 return Some((Some(job), WorkerFault::from_panic(p.as_ref())));
             }
         }
-        sessions.retain(|_, (s, _)| s.is_alive());
+        sessions.retain(|_, c| c.session.is_alive());
     }
 }
 
@@ -426,7 +492,7 @@ fn worker_loop<R: From<Report>>(
 /// batch whose wait panics is reported [`Outcome::RoomFailed`] (the worker is dying anyway).
 fn drain(
     ctx: &WorkerCtx,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    sessions: &mut Sessions,
     posted: &mut VecDeque<(Job, Writing)>,
     report: &impl Fn(Job, Outcome) -> bool,
 ) -> bool {
@@ -531,42 +597,46 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
 /// Data sessions idle this long are closed.
 pub(crate) const SESSION_IDLE: Duration = Duration::from_secs(2);
 
-/// The cached session to `session`'s decode while it is alive (its idle clock restarted), else
-/// a freshly opened one, cached; an open that fails marks the session dead.
+/// The cached session to `session`'s decode while it is alive and its decode did not register
+/// again since it was opened (its idle clock restarted), else a freshly opened one, cached;
+/// with when it was opened. An open that fails marks the session dead.
 fn session_for(
     ctx: &WorkerCtx,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    sessions: &mut Sessions,
     session: &SessionId,
-) -> Result<Arc<dyn Session>, TransportError> {
-    if let Some((s, used)) = sessions.get_mut(session)
-        && s.is_alive()
+) -> Result<(Arc<dyn Session>, Instant), TransportError> {
+    if let Some(c) = sessions.get_mut(session)
+        && c.session.is_alive()
+        && !ctx.revived_since(session, c.opened)
     {
-        *used = Instant::now();
-        return Ok(s.clone());
+        c.used = Instant::now();
+        return Ok((c.session.clone(), c.opened));
     }
+    let began = Instant::now();
     match ctx.rt.block_on(ctx.plane.open_session(session.as_str())) {
         Ok(s) => {
-            sessions.insert(session.clone(), (s.clone(), Instant::now()));
-            Ok(s)
+            let cached = Cached {
+                session: s.clone(),
+                used: Instant::now(),
+                opened: began,
+            };
+            sessions.insert(session.clone(), cached);
+            Ok((s, began))
         }
         Err(e) => {
             sessions.remove(session);
-            ctx.mark_dead(session, &e.to_string());
+            ctx.mark_dead(session, &e.to_string(), began);
             Err(e)
         }
     }
 }
 
 /// Runs a [`Work::Connect`]: the session is open (or found dead) when it returns.
-fn connect(
-    ctx: &WorkerCtx,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
-    session: &SessionId,
-) {
+fn connect(ctx: &WorkerCtx, sessions: &mut Sessions, session: &SessionId) {
     let outcome = if ctx.dead_cause(session).is_some() {
         "dead"
     } else {
-        let was_open = sessions.get(session).is_some_and(|(s, _)| s.is_alive());
+        let was_open = sessions.get(session).is_some_and(|c| c.session.is_alive());
         match session_for(ctx, sessions, session) {
             Ok(_) if was_open => "open",
             Ok(_) => "opened",
@@ -588,7 +658,7 @@ fn connect(
 fn start(
     ctx: &WorkerCtx,
     shard: usize,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    sessions: &mut Sessions,
     job: &mut Job,
 ) -> Result<Started, WorkerFault> {
     if matches!(job.work, Work::Connect) {
@@ -637,7 +707,7 @@ fn start(
         },
         Work::Connect => return Ok(Started::Connected),
     };
-    let s = match session_for(ctx, sessions, session) {
+    let (s, opened) = match session_for(ctx, sessions, session) {
         Ok(s) => s,
         Err(e) => return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e)))),
     };
@@ -654,6 +724,7 @@ fn start(
     let w = Writing {
         fut,
         t0,
+        opened,
         _busy: busy,
     };
     Ok(match first {
@@ -663,12 +734,7 @@ fn start(
 }
 
 /// Waits for a posted batch's completion (nothing of it can reach the decode afterwards).
-fn finish(
-    ctx: &WorkerCtx,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
-    job: &Job,
-    mut w: Writing,
-) -> Outcome {
+fn finish(ctx: &WorkerCtx, sessions: &mut Sessions, job: &Job, mut w: Writing) -> Outcome {
     let r = ctx.rt.block_on(w.fut.as_mut());
     completed(ctx, sessions, job, &w, r)
 }
@@ -676,7 +742,7 @@ fn finish(
 /// The outcome of a batch's completion `r`.
 fn completed(
     ctx: &WorkerCtx,
-    sessions: &mut HashMap<SessionId, (Arc<dyn Session>, Instant)>,
+    sessions: &mut Sessions,
     job: &Job,
     w: &Writing,
     r: Result<BatchReport, TransportError>,
@@ -691,8 +757,11 @@ fn completed(
             Outcome::Done
         }
         Err(e) if e.is_peer_failure() => {
-            sessions.remove(session);
-            ctx.mark_dead(session, &e.to_string());
+            // Not a session opened since, towards the decode's new process.
+            if sessions.get(session).is_some_and(|c| c.opened == w.opened) {
+                sessions.remove(session);
+            }
+            ctx.mark_dead(session, &e.to_string(), w.opened);
             Outcome::PeerFailed(peer_failed(session, &e))
         }
         Err(e) => Outcome::RoomFailed(format!(
@@ -755,5 +824,35 @@ mod tests {
         assert!(registered(&plane).is_empty());
         // The next gather allocates again.
         assert_eq!(bufs.get(0, &plane, MIB).unwrap().len() as usize, 2 * MIB);
+    }
+
+    #[test]
+    fn a_failure_from_before_a_registration_marks_nothing() {
+        let s = SessionId::new("10.0.0.2:17000");
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut m = SessionMarks::default();
+        // A connect to the decode's first process begins; the decode restarts and registers;
+        // then the connect fails: the new process is not marked dead.
+        m.revive(&s, at(10));
+        assert!(!m.mark_dead(&s, "connection refused", at(5), at(20)));
+        assert_eq!(m.dead_cause(&s, at(20)), None);
+        assert!(m.revived_since(&s, at(5)));
+        assert!(!m.revived_since(&s, at(10)));
+        // A failure of an attempt begun after the registration marks it, until the TTL.
+        assert!(m.mark_dead(&s, "connection reset", at(15), at(30)));
+        assert_eq!(
+            m.dead_cause(&s, at(31)).as_deref(),
+            Some("connection reset")
+        );
+        assert_eq!(m.dead_cause(&s, at(30) + MARK_TTL), None);
+        // A registration clears a mark; registrations older than the TTL are forgotten.
+        assert!(m.mark_dead(&s, "connection reset", at(40), at(41)));
+        m.revive(&s, at(50));
+        assert_eq!(m.dead_cause(&s, at(51)), None);
+        let other = SessionId::new("10.0.0.3:17000");
+        m.revive(&other, at(50) + MARK_TTL);
+        assert!(!m.revived.contains_key(&s));
+        assert!(m.mark_dead(&s, "connection reset", at(45), at(60) + MARK_TTL));
     }
 }

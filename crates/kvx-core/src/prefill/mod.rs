@@ -136,13 +136,17 @@ pub struct PrefillManager {
     sessions: HashMap<SessionId, (Session, u64)>,
     /// Monotonic use counter for `sessions`.
     use_clock: u64,
+    /// Registrations recorded so far; each session holds the number of its own.
+    registrations: u64,
     failed: HashMap<SessionId, Instant>,
     rooms: HashMap<Room, RoomState>,
     /// Rooms held without a local sender.
     unopened: usize,
     /// Room deadlines (mirrors each room's `deadline`).
     deadlines: BTreeSet<(Instant, Room)>,
-    batches: HashMap<BatchId, (Room, SessionId)>,
+    /// Batches in flight: their room, session and the session's registration they were
+    /// planned for.
+    batches: HashMap<BatchId, (Room, SessionId, u64)>,
     next_batch: u64,
     /// Rooms this rank concluded and dropped, the [`RECENT_ROOMS`] latest (oldest first): late
     /// metadata for one is answered status 0 at once, not left to wait for a sender that will
@@ -167,6 +171,7 @@ impl PrefillManager {
             rank,
             sessions: HashMap::new(),
             use_clock: 0,
+            registrations: 0,
             failed: HashMap::new(),
             rooms: HashMap::new(),
             unopened: 0,
@@ -401,7 +406,9 @@ impl PrefillManager {
             self.failed.remove(&lru);
         }
         self.use_clock += 1;
-        let session = Session::new(reg, &self.local);
+        self.registrations += 1;
+        let mut session = Session::new(reg, &self.local);
+        session.registration = self.registrations;
         self.sessions
             .insert(session.reg.session.clone(), (session, self.use_clock));
     }
@@ -723,8 +730,17 @@ impl PrefillManager {
     fn new_batch(&mut self, room: Room, session: &SessionId) -> BatchId {
         let id = BatchId(self.next_batch);
         self.next_batch += 1;
-        self.batches.insert(id, (room, session.clone()));
+        let registration = self.registration_of(session);
+        self.batches
+            .insert(id, (room, session.clone(), registration));
         id
+    }
+
+    /// The number of `session`'s current registration (0: not registered).
+    fn registration_of(&self, session: &SessionId) -> u64 {
+        self.sessions
+            .get(session)
+            .map_or(0, |(s, _)| s.registration)
     }
 
     fn batch_done(
@@ -734,7 +750,7 @@ impl PrefillManager {
         result: Result<(), String>,
         out: &mut Vec<PrefillAction>,
     ) -> Result<(), PrefillError> {
-        let (room, session) = self
+        let (room, session, registration) = self
             .batches
             .remove(&batch_id)
             .ok_or(PrefillError::UnknownBatch(batch_id))?;
@@ -754,8 +770,12 @@ impl PrefillManager {
             };
             self.fail(room, err, true, out);
             // sglang's rule: a failed transfer blacklists the decode session; every other open
-            // room writing to it fails now rather than one chunk at a time.
-            self.session_lost(now, &session, out);
+            // room writing to it fails now rather than one chunk at a time. Not a batch of an
+            // earlier registration of the session: its decode restarted since (the rooms of the
+            // old process failed then), and the old process's failure says nothing of the new.
+            if registration == self.registration_of(&session) {
+                self.session_lost(now, &session, out);
+            }
         }
         self.maybe_succeed(room, out);
         self.try_release(room, out);

@@ -18,6 +18,9 @@ pub(crate) struct Session {
     /// The decode takes a 4th failure-reason frame on status messages (sglang 0.5.23): from
     /// its registration's frame 19, or learned from a 5-frame `ABORT` it sent.
     pub status_reason: bool,
+    /// Which registration of the manager's this is (set when recorded; a restarted decode's
+    /// registration under the same session id gets a new one).
+    pub registration: u64,
 }
 
 impl Session {
@@ -28,6 +31,7 @@ impl Session {
             reg,
             kv,
             status_reason,
+            registration: 0,
         }
     }
 

@@ -1325,7 +1325,12 @@ impl Harness {
     /// Invariants that hold after every step.
     fn check(&self) -> Result<(), TestCaseError> {
         for (room, rs) in &self.mgr.rooms {
-            let mine = self.mgr.batches.values().filter(|(r, _)| r == room).count();
+            let mine = self
+                .mgr
+                .batches
+                .values()
+                .filter(|(r, _, _)| r == room)
+                .count();
             prop_assert_eq!(mine, rs.inflight);
             let releasable = rs.status.is_terminal()
                 && rs.inflight == 0
@@ -1353,7 +1358,7 @@ impl Harness {
                 ..
             } = a
             {
-                let towards = self.mgr.batches.values().any(|(r, session)| {
+                let towards = self.mgr.batches.values().any(|(r, session, _)| {
                     r == room
                         && self
                             .mgr
@@ -1541,6 +1546,66 @@ fn re_registration_of_a_held_session_fails_its_open_rooms() {
     assert_eq!(res, Err(PrefillError::UnknownRoom(r)));
     assert!(batches(&a).is_empty(), "{a:?}");
     assert!(h.mgr.live_entries().is_empty());
+}
+
+/// A decode that restarts under the same session id while a batch of its first incarnation is
+/// still on the wire: that batch fails later (the old process is gone), which says nothing of
+/// the new one. The session must not be blacklisted for it, nor the new incarnation's rooms
+/// failed.
+#[test]
+fn a_batch_of_an_earlier_registration_failing_spares_the_new_one() {
+    let mut h = Harness::new(PrefillConfig::default());
+    let (old, new) = (room(66), room(67));
+    h.ev(PrefillEvent::Register(registration(2, 1)));
+    h.open(old);
+    h.ev(PrefillEvent::Metadata(metadata(old, 2, Some(vec![1]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: old,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![3]).last(),
+    });
+    let in_flight = batches(&a);
+    assert_eq!(in_flight.len(), 1);
+    // The decode restarts and registers again; its old room fails (its batch still in flight).
+    let a = h.ev(PrefillEvent::Register(registration(2, 1)));
+    assert_eq!(
+        statuses(&a),
+        Vec::<(Endpoint, KVPoll)>::new(),
+        "told once drained"
+    );
+    // The new incarnation's room gets its metadata...
+    h.open(new);
+    h.ev(PrefillEvent::Metadata(metadata(new, 2, Some(vec![1]), 1)));
+    // ...then the old batch fails: the old room is told Failed; the new room lives on.
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: in_flight[0].0,
+        result: Err("connection reset by peer".into()),
+    });
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    assert_eq!(h.mgr.poll(old), None);
+    assert_eq!(h.mgr.poll(new), Some(KVPoll::WaitingForInput));
+    // Its chunk is written: the session is not blacklisted.
+    let a = h.ev(PrefillEvent::Chunk {
+        room: new,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![4]).last(),
+    });
+    assert_eq!(batches(&a).len(), 1, "{a:?}");
+    assert!(statuses(&a).is_empty(), "{a:?}");
+    // A batch of the current registration failing still blacklists the session.
+    let id = batches(&a)[0].0;
+    let a = h.ev(PrefillEvent::BatchDone {
+        batch_id: id,
+        result: Err("connection reset by peer".into()),
+    });
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
+    let third = room(68);
+    h.open(third);
+    h.ev(PrefillEvent::Metadata(metadata(third, 2, Some(vec![2]), 1)));
+    let a = h.ev(PrefillEvent::Chunk {
+        room: third,
+        chunk: Chunk::new(PageSlice::new(0, 1).unwrap(), vec![5]).last(),
+    });
+    assert!(batches(&a).is_empty());
+    assert_eq!(statuses(&a), vec![(endpoint(2), KVPoll::Failed)]);
 }
 
 #[test]
