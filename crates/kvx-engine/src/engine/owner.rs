@@ -23,23 +23,23 @@ use crate::prefill_core::{HOUSEKEEPING, Output, PrefillCore, View};
 use crate::wire::{self, PrefillInbound};
 use crate::worker::{self, Job, JobQueue, Outcome, Report, WorkerCtx};
 
-/// The loop's next input, waiting at most `wait`: first polled, yielding the CPU between
-/// polls, for up to `spin` (the loop spins only right after an input: one input is usually
-/// followed by another within tens of microseconds — a worker's report after a post, the next
-/// chunk after a call), then slept for. A sleeping loop is woken through a futex, which on a
-/// virtual machine whose other vCPU idles costs 30-60 µs at the tail; a polling loop takes the
-/// input at once and keeps its vCPU from idling (docs/benchmarks.md, sixth session).
-fn next_input(
-    inputs: &Receiver<Input>,
+/// The next message on `rx`, waiting at most `wait`: first polled, yielding the CPU between
+/// polls, for up to `spin`, then slept for. A sleeping thread is woken through a futex, which on
+/// a virtual machine whose other vCPU idles costs 30-60 µs at the tail; a polling one takes the
+/// message at once and keeps its vCPU from idling (docs/benchmarks.md, sixth session). The loop
+/// polls right after an input: one input is usually followed by another within tens of
+/// microseconds — a worker's report after a post, the next chunk after a call.
+fn poll_recv<T>(
+    rx: &Receiver<T>,
     spin: Duration,
     wait: Duration,
-) -> Result<Input, RecvTimeoutError> {
+) -> Result<T, RecvTimeoutError> {
     if !spin.is_zero() {
         let start = Instant::now();
         let until = spin.min(wait);
         loop {
-            match inputs.try_recv() {
-                Ok(input) => return Ok(input),
+            match rx.try_recv() {
+                Ok(msg) => return Ok(msg),
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
                     return Err(RecvTimeoutError::Disconnected);
                 }
@@ -47,12 +47,12 @@ fn next_input(
             }
             let spent = start.elapsed();
             if spent >= until {
-                return inputs.recv_timeout(wait.saturating_sub(spent));
+                return rx.recv_timeout(wait.saturating_sub(spent));
             }
             std::thread::yield_now();
         }
     }
-    inputs.recv_timeout(wait)
+    rx.recv_timeout(wait)
 }
 
 /// An embedder call, answered on `reply`.
@@ -183,7 +183,7 @@ impl Owner {
                 due = due.min(t);
             }
             let spin = if busy { self.spin } else { Duration::ZERO };
-            match next_input(inputs, spin, due.saturating_duration_since(now)) {
+            match poll_recv(inputs, spin, due.saturating_duration_since(now)) {
                 Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => break,
                 Ok(input) => {
                     busy = true;
@@ -443,7 +443,7 @@ mod tests {
             tx.send(Input::Stop).unwrap();
             tx
         });
-        let got = next_input(&rx, Duration::from_micros(100), Duration::from_secs(10));
+        let got = poll_recv(&rx, Duration::from_micros(100), Duration::from_secs(10));
         assert!(matches!(got, Ok(Input::Stop)));
         drop(sender.join().unwrap());
     }
@@ -452,7 +452,7 @@ mod tests {
     fn an_input_during_the_spin_is_taken_and_nothing_waits_its_wait_out() {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         tx.send(Input::Stop).unwrap();
-        let got = next_input(&rx, Duration::from_secs(10), Duration::from_secs(10));
+        let got = poll_recv(&rx, Duration::from_secs(10), Duration::from_secs(10));
         assert!(matches!(got, Ok(Input::Stop)));
         // Nothing more: the wait ends at `wait`, spin or not.
         for spin in [
@@ -460,11 +460,11 @@ mod tests {
             Duration::from_micros(100),
             Duration::from_secs(10),
         ] {
-            let got = next_input(&rx, spin, Duration::from_millis(1));
+            let got = poll_recv(&rx, spin, Duration::from_millis(1));
             assert!(matches!(got, Err(RecvTimeoutError::Timeout)));
         }
         drop(tx);
-        let got = next_input(&rx, Duration::from_secs(10), Duration::from_secs(10));
+        let got = poll_recv(&rx, Duration::from_secs(10), Duration::from_secs(10));
         assert!(matches!(got, Err(RecvTimeoutError::Disconnected)));
     }
 }
