@@ -241,6 +241,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Bytes written through staging rings",
     ),
     (
+        "kvx_staged_cpu_gathers_total",
+        Kind::Counter,
+        "Staged chunks gathered on the CPU into a staging buffer (a slice of part of each token's heads through a data plane that does not gather sources itself)",
+    ),
+    (
         "kvx_staging_wait_timeouts_total",
         Kind::Counter,
         "Staged chunks that waited past --staging-wait-timeout",

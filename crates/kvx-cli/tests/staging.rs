@@ -151,6 +151,14 @@ fn tp1_to_tp2_through_the_ring() {
     assert_verified(&o0, &s0, 10);
     assert_verified(&o1, &s1, 10);
     wait_drained(port);
+    // Part of each token's heads to each decode rank: written token by token from the pages
+    // through tcp, never copied together first.
+    let m = metrics(port);
+    assert!(
+        metric_sum(&m, "kvx_staged_chunks_posted_total") > 0.0,
+        "{m}"
+    );
+    assert_eq!(metric_sum(&m, "kvx_staged_cpu_gathers_total"), 0.0, "{m}");
 }
 
 #[test]

@@ -514,8 +514,15 @@ fn drain(
 /// The writes that put a staged chunk's block into the decode's ring. A slice of whole token
 /// slots (this rank's every head) is written page by page straight from the KV pages to its
 /// place in the block ([`kvx_staging::gather_writes`]: no CPU copy, the staging buffer unused);
-/// a slice that cuts token slots is gathered on the CPU first ([`gather_chunk`]).
-fn stage_writes(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Vec<TransferOp>, String> {
+/// so is a slice that cuts token slots, token by token, through a session that gathers
+/// scattered sources itself (`by_token`, kvx's `tcp`: [`kvx_staging::gather_writes_by_token`]);
+/// through any other it is gathered on the CPU first ([`gather_chunk`]), into one write.
+fn stage_writes(
+    ctx: &WorkerCtx,
+    shard: usize,
+    w: &StageWork,
+    by_token: bool,
+) -> Result<Vec<TransferOp>, String> {
     let kv = &ctx.mem.kv;
     let end = kv.base().saturating_add(kv.len());
     // Each buffer runs at most to the end of the KV region (pages past it are refused).
@@ -530,8 +537,12 @@ fn stage_writes(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Vec<Tran
             )
         })
         .collect();
-    let direct = kvx_staging::gather_writes(&w.spec, &bufs, &w.src_pages, w.dst)
-        .map_err(|e| e.to_string())?;
+    let direct = if by_token {
+        kvx_staging::gather_writes_by_token(&w.spec, &bufs, &w.src_pages, w.dst).map(Some)
+    } else {
+        kvx_staging::gather_writes(&w.spec, &bufs, &w.src_pages, w.dst)
+    }
+    .map_err(|e| e.to_string())?;
     let ops = match direct {
         Some(ops) => {
             let len: u64 = ops.iter().map(|o| o.len).sum();
@@ -591,6 +602,7 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
     // reads it only during the write this function returns, after `with_mut` ended.
     unsafe { buf.with_mut(buf.base(), w.len, gather_all) }.map_err(|e| e.to_string())??;
     metrics::counter!("kvx_staged_bytes_total").increment(w.len);
+    metrics::counter!("kvx_staged_cpu_gathers_total").increment(1);
     Ok(TransferOp::new(buf.base(), w.dst, w.len))
 }
 
@@ -694,9 +706,13 @@ fn start(
         // Failed (or gone) while the fault points ran: nothing to write.
         return Ok(Started::Done(Outcome::Skipped));
     }
+    let (s, opened) = match session_for(ctx, sessions, session) {
+        Ok(s) => s,
+        Err(e) => return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e)))),
+    };
     let ops = match &mut job.work {
         Work::Batch { ops, .. } => std::mem::take(ops),
-        Work::Stage(w) => match stage_writes(ctx, shard, w) {
+        Work::Stage(w) => match stage_writes(ctx, shard, w, s.gathers_sources()) {
             Ok(ops) => ops,
             Err(e) => {
                 return Ok(Started::Done(Outcome::RoomFailed(format!(
@@ -706,10 +722,6 @@ fn start(
             }
         },
         Work::Connect => return Ok(Started::Connected),
-    };
-    let (s, opened) = match session_for(ctx, sessions, session) {
-        Ok(s) => s,
-        Err(e) => return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e)))),
     };
     let busy = ctx.busy.enter();
     let t0 = Instant::now();

@@ -131,6 +131,16 @@ pub trait Session: Send + Sync + 'static {
     /// False once the session is known to be broken (its peer lost); a later
     /// [`Transport::connect`] then opens a fresh one.
     fn is_alive(&self) -> bool;
+
+    /// True when writes whose sources lie scattered in small pieces cost this session about
+    /// what one write of the same bytes gathered together would: it gathers them itself on the
+    /// way out (kvx's `tcp`: vectored socket writes straight from registered memory). A caller
+    /// may then write such pieces as they lie instead of copying them together first. False
+    /// (the default) where each write has a cost of its own (an RDMA work request, a Mooncake
+    /// TE request).
+    fn gathers_sources(&self) -> bool {
+        false
+    }
 }
 
 /// Convenience: connect (or reuse) and post one batch.

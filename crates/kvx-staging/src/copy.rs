@@ -207,39 +207,84 @@ pub fn gather_writes(
     pages: &[i32],
     block: u64,
 ) -> Result<Option<Vec<kvx_core::TransferOp>>, CopyError> {
+    block_writes(spec, bufs, pages, block, false)
+}
+
+/// The gather as data-plane writes for any slice: [`gather_writes`]'s page writes for whole
+/// token slots, and for a slice that cuts token slots (a subset of the heads: a prefill of
+/// smaller attention-TP size) one write per token of every page, from its heads in the KV page
+/// to its place in the block (runs lying end to end at both ends merged). For a transport that
+/// gathers scattered sources itself (kvx's `tcp`: vectored socket writes), the block is then
+/// assembled with no CPU copy on this side; one with a cost per write (RDMA) does better with
+/// [`gather`] into a staging buffer and one write. The writes leave the block exactly as
+/// [`gather`] fills it; every page is checked first.
+pub fn gather_writes_by_token(
+    spec: &SliceSpec,
+    bufs: &[(u64, usize)],
+    pages: &[i32],
+    block: u64,
+) -> Result<Vec<kvx_core::TransferOp>, CopyError> {
+    Ok(block_writes(spec, bufs, pages, block, true)?.unwrap_or_default())
+}
+
+/// The writes that assemble the block at `block`; `None` when the slice cuts token slots and
+/// `by_token` is off.
+fn block_writes(
+    spec: &SliceSpec,
+    bufs: &[(u64, usize)],
+    pages: &[i32],
+    block: u64,
+    by_token: bool,
+) -> Result<Option<Vec<kvx_core::TransferOp>>, CopyError> {
     let need = spec.block_len(bufs.len(), pages.len());
     let Cut {
         slot,
         tb,
+        head_off,
         page_bytes,
-        ..
     } = spec.cut(bufs.iter().map(|b| b.1), pages, need)?;
-    if tb != slot {
+    let whole_slot = tb == slot;
+    if !whole_slot && !by_token {
         return Ok(None);
     }
-    let mut ops: Vec<kvx_core::TransferOp> = Vec::with_capacity(bufs.len() * pages.len());
+    // A write per page, or per token of each page when the slice cuts token slots.
+    let (pieces, piece_len, stride, first) = if whole_slot {
+        (1, page_bytes, 0, 0)
+    } else {
+        (spec.page_size, tb, slot, head_off)
+    };
+    let mut ops: Vec<kvx_core::TransferOp> = Vec::with_capacity(
+        bufs.len()
+            .saturating_mul(pages.len())
+            .saturating_mul(pieces),
+    );
     let mut at = 0u64;
-    let len = page_bytes as u64;
+    let len = piece_len as u64;
     for (b, &(base, buf_len)) in bufs.iter().enumerate() {
         for &page in pages {
-            let off = spec.page_range(b, buf_len, page)? as u64;
+            let off = spec.page_range(b, buf_len, page)?;
             let bad = || CopyError::Page {
                 page: i64::from(page),
                 buffer: b,
                 len: buf_len,
             };
-            let src = base.checked_add(off).ok_or_else(bad)?;
-            let dst = block.checked_add(at).ok_or_else(bad)?;
-            match ops.last_mut() {
-                Some(l)
-                    if l.src.checked_add(l.len) == Some(src)
-                        && l.dst.checked_add(l.len) == Some(dst) =>
-                {
-                    l.len += len;
+            for t in 0..pieces {
+                // In bounds: `cut` checked that a page's slots and the heads fit its item.
+                let src = base
+                    .checked_add((off + first + t * stride) as u64)
+                    .ok_or_else(bad)?;
+                let dst = block.checked_add(at).ok_or_else(bad)?;
+                match ops.last_mut() {
+                    Some(l)
+                        if l.src.checked_add(l.len) == Some(src)
+                            && l.dst.checked_add(l.len) == Some(dst) =>
+                    {
+                        l.len += len;
+                    }
+                    _ => ops.push(kvx_core::TransferOp::new(src, dst, len)),
                 }
-                _ => ops.push(kvx_core::TransferOp::new(src, dst, len)),
+                at += len;
             }
-            at += len;
         }
     }
     Ok(Some(ops))
@@ -386,9 +431,27 @@ mod tests {
         let mut got = vec![0u8; want.len()];
         apply(&ops, &bufs, &mut got);
         assert_eq!(got, want);
-        // A subset of the heads cuts token slots: gathered on the CPU instead.
+        // A subset of the heads cuts token slots: gathered on the CPU instead, or written
+        // token by token.
         let part = SliceSpec { n_heads: 1, ..spec };
         assert_eq!(gather_writes(&part, &addrs, &pages, 1 << 40), Ok(None));
+        let mut want = vec![0u8; part.block_len(3, pages.len())];
+        gather(&part, &bufs, &pages, &mut want).unwrap();
+        let ops = gather_writes_by_token(&part, &addrs, &pages, 1 << 40).unwrap();
+        // 3 buffers × 5 pages × 2 tokens, 4 bytes each; no two lie end to end at the source.
+        assert_eq!(ops.len(), 30);
+        assert_eq!(ops[0], kvx_core::TransferOp::new(4 * 16, 1 << 40, 4));
+        assert_eq!(
+            ops[1],
+            kvx_core::TransferOp::new(4 * 16 + 8, (1 << 40) + 4, 4)
+        );
+        let mut got = vec![0u8; want.len()];
+        apply(&ops, &bufs, &mut got);
+        assert_eq!(got, want);
+        assert!(matches!(
+            gather_writes_by_token(&part, &addrs, &[6], 1 << 40),
+            Err(CopyError::Page { page: 6, .. })
+        ));
         // Pages are checked as the copies check them.
         assert!(matches!(
             gather_writes(&spec, &addrs, &[6], 1 << 40),
@@ -432,6 +495,13 @@ mod tests {
                 let total: u64 = ops.iter().map(|o| o.len).sum();
                 proptest::prop_assert_eq!(total as usize, spec.block_len(2, pages.len()));
             }
+            if let Ok(ops) = gather_writes_by_token(&spec, &addrs, &pages, 1 << 40) {
+                let total: u64 = ops.iter().map(|o| o.len).sum();
+                proptest::prop_assert_eq!(total as usize, spec.block_len(2, pages.len()));
+                for o in &ops {
+                    proptest::prop_assert!(addrs.iter().any(|&(b, l)| o.src >= b && o.src + o.len <= b + l as u64));
+                }
+            }
             if let Ok(map) = crate::ScatterMap::new(&spec, &addrs, &pages) {
                 proptest::prop_assert_eq!(map.len() as usize, spec.block_len(2, pages.len()));
                 let (lo, hi) = map.bounds();
@@ -443,6 +513,42 @@ mod tests {
                     });
                 }
                 proptest::prop_assert!(total <= map.len() + 1000);
+            }
+        }
+
+        /// Any slice, whole token slots or a subset of the heads: the token-by-token writes
+        /// build exactly the block `gather` builds.
+        #[test]
+        fn writes_by_token_match_gather(
+            page_size in 1usize..5,
+            heads in 1usize..5,
+            head in 0usize..4,
+            n_heads in 1usize..4,
+            bph in 1usize..5,
+            buffers in 1usize..4,
+            pages in proptest::collection::vec(0i32..6, 0..8),
+        ) {
+            let spec = SliceSpec {
+                page_size,
+                bytes_per_head_token: bph,
+                item_len: page_size * heads * bph,
+                head,
+                n_heads,
+            };
+            let len = 6 * spec.item_len;
+            let bufs: Vec<Vec<u8>> = (0..buffers)
+                .map(|b| (0..len).map(|i| (b * 31 + i * 7) as u8).collect())
+                .collect();
+            let addrs: Vec<(u64, usize)> = (0..buffers).map(|b| ((b as u64) << 32, len)).collect();
+            let mut want = vec![0u8; spec.block_len(buffers, pages.len())];
+            let gathered = gather(&spec, &bufs, &pages, &mut want);
+            let ops = gather_writes_by_token(&spec, &addrs, &pages, 1 << 40);
+            // The heads must fit the slot; both refuse alike when they do not.
+            proptest::prop_assert_eq!(gathered.is_ok(), ops.is_ok());
+            if let Ok(ops) = ops {
+                let mut got = vec![0u8; want.len()];
+                apply(&ops, &bufs, &mut got);
+                proptest::prop_assert_eq!(got, want);
             }
         }
 

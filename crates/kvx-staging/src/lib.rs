@@ -15,8 +15,9 @@
 //! - [`heads`]: TP geometry (which heads go where) and the writers' layout of a chunk region
 //!   (TP writers, prefill pipeline stages, the write ops of a block);
 //! - [`copy`]: gather and scatter on host memory, and the gather as page-run writes when the
-//!   slice is whole token slots ([`gather_writes`]: no CPU copy); [`host`]: a checked op
-//!   executor for tests;
+//!   slice is whole token slots ([`gather_writes`]: no CPU copy), or as per-token writes for
+//!   any slice ([`gather_writes_by_token`], for a transport that gathers sources itself);
+//!   [`host`]: a checked op executor for tests;
 //! - [`place`]: the scatter as a map from block offsets to page addresses ([`ScatterMap`]), so
 //!   that a decode that receives a block itself reads it straight into its pages;
 //! - [`msg`]: plain forms of `STAGING_REQ`, `STAGING_RSP`, `WATERMARK`, `CHUNK_READY`.
@@ -83,7 +84,7 @@ pub mod place;
 pub mod prefill;
 pub mod ring;
 
-pub use copy::{CopyError, SliceSpec, gather, gather_writes, scatter};
+pub use copy::{CopyError, SliceSpec, gather, gather_writes, gather_writes_by_token, scatter};
 pub use decode::{DecodeAction, DecodeError, DecodeRoom, DecodeStaging, ScatterJob};
 pub use grid::{ChunkGrid, RoomGrid};
 pub use heads::{GeometryError, HeadSlice, StagedLayout, TpGeometry, Writer};

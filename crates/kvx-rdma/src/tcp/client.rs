@@ -285,6 +285,11 @@ impl Session for TcpSession {
         &self.remote
     }
 
+    fn gathers_sources(&self) -> bool {
+        // Each connection's writer sends a window as one vectored stream from registered memory.
+        true
+    }
+
     fn is_alive(&self) -> bool {
         self.conns
             .iter()
