@@ -29,11 +29,7 @@ use crate::worker::{self, Job, JobQueue, Outcome, Report, WorkerCtx};
 /// message at once and keeps its vCPU from idling (docs/benchmarks.md, sixth session). The loop
 /// polls right after an input: one input is usually followed by another within tens of
 /// microseconds — a worker's report after a post, the next chunk after a call.
-fn poll_recv<T>(
-    rx: &Receiver<T>,
-    spin: Duration,
-    wait: Duration,
-) -> Result<T, RecvTimeoutError> {
+fn poll_recv<T>(rx: &Receiver<T>, spin: Duration, wait: Duration) -> Result<T, RecvTimeoutError> {
     if !spin.is_zero() {
         let start = Instant::now();
         let until = spin.min(wait);
