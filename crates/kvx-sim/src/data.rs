@@ -5,9 +5,10 @@
 //! after its own latency (some slow). Faults: a write the decode rejects (the window lands
 //! nothing; a per-room error), a connection that fails (every window on it that has not landed
 //! fails; the others keep landing), and a peer that dies (every connection to it fails, and a
-//! batch posted while it is down fails at once). The contract — what the managers rely on — is
-//! that a batch is answered only once nothing of it can still reach the peer, i.e. when every
-//! window landed or failed. The `late-write` mutant breaks exactly that. A staged chunk is one
+//! batch posted while it is down fails at once; in seeds with `Scenario::crash_detect` the world
+//! delivers the failures of the batches in flight only after a detection delay). The contract
+//! — what the managers rely on — is that a batch is answered only once nothing of it can still
+//! reach the peer, i.e. when every window landed or failed. The `late-write` mutant breaks exactly that. A staged chunk is one
 //! write whose bytes were gathered when its worker started it ([`Job::Stage`], [`Write::payload`]).
 
 use std::collections::{BTreeMap, BTreeSet};

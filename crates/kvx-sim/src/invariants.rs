@@ -43,11 +43,17 @@ pub enum Inv {
     /// A staged write the decode receives in place (a placed ring slot) goes into the pages of
     /// its own chunk, and each writer's block arrives wholly in place or wholly in the ring.
     PlacedWriteOwnChunk,
+    /// A prefill rank fails a room for its decode session being dead (`SessionDead`: the
+    /// session lost or blacklisted) only when the decode process (incarnation) that opened the
+    /// room is gone, or a transfer of that rank's process towards that very incarnation failed
+    /// before: never for a failure towards an earlier process of a decode that restarted under
+    /// the same session id.
+    SessionDeadOwnIncarnation,
 }
 
 impl Inv {
     /// Every invariant, in report order.
-    pub const ALL: [Inv; 14] = [
+    pub const ALL: [Inv; 15] = [
         Inv::StatusMonotonic,
         Inv::TerminalInTime,
         Inv::OutcomeDelivered,
@@ -62,6 +68,7 @@ impl Inv {
         Inv::ScatterOwnBytes,
         Inv::StagedSuccessDrained,
         Inv::PlacedWriteOwnChunk,
+        Inv::SessionDeadOwnIncarnation,
     ];
 
     /// The report name.
@@ -81,6 +88,7 @@ impl Inv {
             Inv::ScatterOwnBytes => "scatter-own-bytes",
             Inv::StagedSuccessDrained => "staged-success-drained",
             Inv::PlacedWriteOwnChunk => "placed-write-own-chunk",
+            Inv::SessionDeadOwnIncarnation => "session-dead-own-incarnation",
         }
     }
 }

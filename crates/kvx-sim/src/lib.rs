@@ -7,7 +7,9 @@
 //! against a simulated control plane (per-link FIFO ZMQ messages, delayed, reordered across links,
 //! lost and duplicated where the real sockets can), a simulated data plane implementing the
 //! `Transport` contract with faults (rejected writes, failing connections, slow windows, decodes
-//! that die and come back under the same session id), and simulated time — with several prefill
+//! that die and come back on the same address — under a session id naming the new process, or,
+//! in some seeds, as sglang's do, under the very same id, their old batches failing only after
+//! a detection delay), and simulated time — with several prefill
 //! and decode ranks (TP fan-in and fan-out), local aborts on both sides, and fatal worker faults
 //! (a worker restarted, or the rank going down once drained). Some seeds stage their
 //! heterogeneous-TP rooms through the decodes' rings with kvx-staging's real state machines

@@ -67,6 +67,7 @@ fn main() -> ExitCode {
         stats.preconnects += out.stats.preconnects;
         stats.worker_restarts += out.stats.worker_restarts;
         stats.undrained_success += out.stats.undrained_success;
+        stats.stale_failures += out.stats.stale_failures;
         for (c, n) in checks.iter_mut().zip(out.checks) {
             *c += n;
         }
@@ -89,12 +90,21 @@ fn main() -> ExitCode {
         next += 1;
     }
     let secs = start.elapsed().as_secs_f64();
+    let width = Inv::ALL
+        .map(|i| i.name().len())
+        .into_iter()
+        .max()
+        .unwrap_or(0);
     for inv in Inv::ALL {
         let v: Vec<_> = violations.iter().filter(|(_, v)| v.inv == inv).collect();
         match v.first() {
-            None => println!("{:<24} ok ({} checks)", inv.name(), checks[inv as usize]),
+            None => println!(
+                "{:<width$} ok ({} checks)",
+                inv.name(),
+                checks[inv as usize]
+            ),
             Some((s, first)) => println!(
-                "{:<24} {} VIOLATED ({} checks; first: seed {s}, {first})",
+                "{:<width$} {} VIOLATED ({} checks; first: seed {s}, {first})",
                 inv.name(),
                 v.len(),
                 checks[inv as usize]
@@ -102,7 +112,7 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY, {} failures towards a restarted decode's earlier process){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.in_place,
@@ -114,6 +124,7 @@ fn main() -> ExitCode {
         stats.preconnects,
         stats.worker_restarts,
         stats.undrained_success,
+        stats.stale_failures,
         mutant
             .map(|m| format!(", mutant {}", m.name()))
             .unwrap_or_default()

@@ -11,7 +11,10 @@
 //! an older slot whose chunk is still being written into the ring); the
 //! others arm test-only hooks (feature `sim-mutants` of kvx-core and kvx-engine, enabled by this
 //! crate's `mutants` feature): inside the real `PrefillManager` (`early-ack`, `lost-status`,
-//! `leak`) and the real `PrefillCore` (`early-exit`).
+//! `leak`, `stale-blacklist`) and the real `PrefillCore` (`early-exit`). `stale-blacklist` needs
+//! seeds whose decodes keep one session id across restarts (`Scenario::fixed_sessions`, as
+//! sglang's do): a batch planned for a decode's earlier process that fails after the decode
+//! registered again blacklists the session and fails the new process's rooms.
 
 /// A deliberately broken rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,11 +42,15 @@ pub enum Mutant {
     /// The decode places a staged slot (receives its writes straight into the pages) as soon
     /// as it is granted, though an older live slot overlaps it.
     PlaceOverLive,
+    /// The prefill manager blacklists a decode session on any failed batch, even one planned
+    /// for the session's earlier registration (a decode that restarted under the same session
+    /// id since), failing the new process's open rooms.
+    StaleBlacklist,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 9] = [
+    pub const ALL: [Mutant; 10] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
@@ -53,6 +60,7 @@ impl Mutant {
         Mutant::IgnoreWatermark,
         Mutant::EarlyExit,
         Mutant::PlaceOverLive,
+        Mutant::StaleBlacklist,
     ];
 
     /// The command-line name.
@@ -67,6 +75,7 @@ impl Mutant {
             Mutant::IgnoreWatermark => "ignore-watermark",
             Mutant::EarlyExit => "early-exit",
             Mutant::PlaceOverLive => "place-over-live",
+            Mutant::StaleBlacklist => "stale-blacklist",
         }
     }
 
@@ -101,6 +110,7 @@ impl Mutant {
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),
+            Mutant::StaleBlacklist => Some(SimMutant::StaleBlacklist),
         }
     }
 }

@@ -69,6 +69,16 @@ pub struct Scenario {
     pub queues: u32,
     /// A prefill rank restarts a worker that died instead of going down.
     pub restart_workers: bool,
+    /// The decodes publish one data-plane session id across restarts (their address, as
+    /// sglang's decodes do) instead of one naming each process instance (kvx's listeners); a
+    /// write planned for an earlier process of the decode fails as the new process's memory
+    /// keys refuse it (the room it writes names the process it was planned for).
+    pub fixed_sessions: bool,
+    /// With `fixed_sessions`, the longest time a prefill's transport takes to notice that a
+    /// crashed decode's connections are gone (a timeout, not a reset): each batch in flight at
+    /// the crash fails that much later — after the decode may have restarted and registered
+    /// again. 0: at once.
+    pub crash_detect: Nanos,
 }
 
 /// The staging parameters of a seed whose rooms go through the decodes' rings.
@@ -157,6 +167,8 @@ impl Scenario {
             decode_down: 200 * MS,
             queues: 1,
             restart_workers: false,
+            fixed_sessions: false,
+            crash_detect: 0,
         };
         // One faulty seed in six is a restart storm: decodes crash and come back often while
         // many control messages crawl, so metadata sent by one incarnation keeps reaching
@@ -170,8 +182,9 @@ impl Scenario {
     }
 
     /// Draws the features added after the first scenarios (staging, `AUX_DATA` over tcp, long
-    /// decode outages) from `rng`, a generator of their own: a seed without them runs exactly
-    /// as it did before they existed, so the seeds kept as regressions keep their meaning.
+    /// decode outages, worker shards, session ids fixed across decode restarts) from `rng`, a
+    /// generator of their own: a seed without them runs exactly as it did before they existed,
+    /// so the seeds kept as regressions keep their meaning.
     pub fn draw_features(&mut self, rng: &mut Rng) {
         self.aux_tcp = rng.below(4) == 0;
         self.state = self.prefill_tp == self.decode_tp && rng.below(3) == 0;
@@ -222,6 +235,17 @@ impl Scenario {
             if s.in_place && rng.below(2) == 0 {
                 let all = (1u64 << self.prefill_tp) - 1;
                 s.around = rng.range(1, all.saturating_sub(1).max(1)) as u32;
+            }
+        }
+        // Drawn after everything above, for the same reason: a quarter of the unstaged seeds
+        // have decodes that keep their session id across restarts (sglang's), and there a
+        // crashed decode's batches in flight fail only after a drawn detection delay, often
+        // past its restart (200 ms) and new registration — the order in which a failure
+        // towards the decode's earlier process must not blacklist the new one.
+        if self.staging.is_none() && rng.below(4) == 0 {
+            self.fixed_sessions = true;
+            if self.decode_crash_ppm > 0 {
+                self.crash_detect = rng.range(50 * MS, 1500 * MS);
             }
         }
     }

@@ -773,7 +773,7 @@ impl PrefillManager {
             // room writing to it fails now rather than one chunk at a time. Not a batch of an
             // earlier registration of the session: its decode restarted since (the rooms of the
             // old process failed then), and the old process's failure says nothing of the new.
-            if registration == self.registration_of(&session) {
+            if registration == self.registration_of(&session) || mutant!(self, StaleBlacklist) {
                 self.session_lost(now, &session, out);
             }
         }

@@ -14,4 +14,8 @@ pub enum SimMutant {
     LostStatus,
     /// The first room this manager releases keeps its entry forever.
     Leak,
+    /// A failed batch blacklists its decode session even when it was planned for an earlier
+    /// registration of the session (the decode restarted and registered again since), failing
+    /// the new process's open rooms: the rule before the registration check.
+    StaleBlacklist,
 }

@@ -22,7 +22,7 @@ impl World {
         let n = &self.decodes[d as usize];
         DecodeRegistration {
             endpoint: decode_endpoint(d),
-            session: decode_session(d, n.inc),
+            session: decode_session(d, n.inc, self.sc.fixed_sessions),
             kv_ptrs: n.mem.kv_ptrs(),
             aux_ptrs: n.mem.aux_ptrs(),
             state_ptrs: if self.sc.state {
@@ -290,8 +290,10 @@ impl World {
         );
         let targets = n.targets.clone();
         let (required_dst, required_resp) = (n.required_dst, n.required_resp);
+        let inc = self.decodes[d as usize].inc;
         if let Some(rec) = self.rooms.get_mut(&room) {
             rec.d_open.insert(d);
+            rec.d_inc.insert(d, inc);
         }
         // A staged room is registered with the ring before its metadata goes out.
         self.decode_staging_register(d, room, &got);
@@ -319,7 +321,7 @@ impl World {
             let req = TransferRequest {
                 room,
                 endpoint: decode_endpoint(d),
-                session: decode_session(d, self.decodes[d as usize].inc),
+                session: decode_session(d, self.decodes[d as usize].inc, self.sc.fixed_sessions),
                 dst: (!t.dummy).then(|| Destination {
                     kv_pages: got.iter().map(|&p| p as i32).collect(),
                     aux_index: row as i64,
@@ -463,8 +465,17 @@ impl World {
         }
         let mut answers = Vec::new();
         self.data.crash(d, &mut answers);
+        let detect = self.sc.crash_detect;
         for a in answers {
-            self.answer_later(a);
+            if detect > 0 {
+                // The transport notices the dead peer only after a timeout (`crash_detect`):
+                // nothing of the batch lands meanwhile, and its failure may reach the prefill
+                // after the decode restarted and registered again.
+                let at = self.clock.now() + self.rng.range(0, detect);
+                self.schedule(at, Ev::Answer(a));
+            } else {
+                self.answer_later(a);
+            }
         }
         let held: Vec<Room> = self.decodes[d as usize]
             .rooms

@@ -273,6 +273,8 @@ pub struct RoomRec {
     pub p_done: BTreeMap<u32, (KVPoll, Nanos)>,
     /// Decode ranks that created it.
     pub d_open: BTreeSet<u32>,
+    /// The incarnation of each decode rank that created it (the process its pages belong to).
+    pub d_inc: BTreeMap<u32, u32>,
     /// Decode conclusions.
     pub d_done: BTreeMap<u32, (KVPoll, Nanos)>,
     /// Decode ranks that died holding it.
@@ -308,6 +310,10 @@ pub struct Stats {
     pub worker_restarts: u64,
     /// Staged rooms a decode reported failed because a `CHUNK_READY` was lost before Success.
     pub undrained_success: u64,
+    /// Transfers meant for a decode's earlier process (incarnation) whose peer failure reached
+    /// their prefill rank once the decode was back up: with fixed session ids, possibly after
+    /// it registered again — the order in which the failure must not blacklist the new process.
+    pub stale_failures: u64,
 }
 
 /// The trace of one room kept while replaying a failing seed.
@@ -344,6 +350,11 @@ pub struct World {
     pub(crate) mutant: Option<Mutant>,
     pub(crate) trace: Option<Trace>,
     pub(crate) dacts: Vec<DecodeAction>,
+    /// When each prefill rank (its current process) was last told that a transfer towards a
+    /// decode incarnation failed as a peer failure, by (prefill rank, decode rank, decode
+    /// incarnation): what [`Inv::SessionDeadOwnIncarnation`] accepts as a reason for failing
+    /// that incarnation's rooms as its session dead.
+    pub(crate) peer_failures: BTreeMap<(u32, u32, u32), Nanos>,
 }
 
 /// Prefill rank `p`'s inbox.
@@ -379,15 +390,25 @@ pub fn decode_endpoint(d: u32) -> Endpoint {
 
 /// Decode rank `d`'s data-plane session id in incarnation `inc`: the same address across
 /// restarts, naming the incarnation as kvx's listeners name their process instance
-/// (`host:port#instance`, `kvx_core::peer::split_instance`).
-pub fn decode_session(d: u32, inc: u32) -> SessionId {
-    SessionId::new(format!("10.1.0.{}:{}#{inc:016x}", d + 1, 18000 + d))
+/// (`host:port#instance`, `kvx_core::peer::split_instance`) — or, when `fixed`, the address
+/// alone in every incarnation, as sglang's decodes publish their Mooncake session.
+pub fn decode_session(d: u32, inc: u32, fixed: bool) -> SessionId {
+    let addr = format!("10.1.0.{}:{}", d + 1, 18000 + d);
+    if fixed {
+        SessionId::new(addr)
+    } else {
+        SessionId::new(format!("{addr}#{inc:016x}"))
+    }
 }
 
-/// The decode rank and incarnation a session id names (`None` for an id no decode publishes).
-pub fn session_decode(session: &SessionId, decodes: u32) -> Option<(u32, u32)> {
-    let d = (0..decodes).find(|&d| decode_session(d, 0).address() == session.address())?;
-    let inc = u32::from_str_radix(session.instance()?, 16).ok()?;
+/// The decode rank a session id names, with the incarnation when the id names one (`None` for
+/// an id no decode publishes).
+pub fn session_decode(session: &SessionId, decodes: u32) -> Option<(u32, Option<u32>)> {
+    let d = (0..decodes).find(|&d| decode_session(d, 0, true).address() == session.address())?;
+    let inc = match session.instance() {
+        Some(i) => Some(u32::from_str_radix(i, 16).ok()?),
+        None => None,
+    };
     Some((d, inc))
 }
 
@@ -415,6 +436,7 @@ impl World {
             mutant,
             trace: None,
             dacts: Vec::new(),
+            peer_failures: BTreeMap::new(),
             rng,
             sc,
         };

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use kvx_core::prefill::LocalMemory;
+use kvx_core::prefill::{LocalMemory, RoomError};
 use kvx_core::{Chunk, KVPoll, PageSlice, PrefillConfig, PrefillManager, Room, fill_room_row};
 use kvx_engine::engine::EngineEvent;
 use kvx_engine::prefill_core::{CoreConfig, Output, PrefillCore};
@@ -186,6 +186,7 @@ impl World {
                         || format!("prefill rank {p} concluded {status} after its fatal fault"),
                     );
                 }
+                self.check_session_dead(p, room, status, reason.as_ref());
                 self.prefill_staging_concluded(p, room, reason.as_ref());
             }
             Output::RestartWorker(shard) => self.worker_restart(p, shard),
@@ -209,6 +210,51 @@ impl World {
                 }
             }
         }
+    }
+
+    /// [`Inv::SessionDeadOwnIncarnation`]: rank `p` concluded `room` Failed for its decode
+    /// session being dead; the decode process that opened the room must be gone, or a transfer
+    /// of this rank's process towards that very process must have failed before. (Not bounded
+    /// by the failed-session TTL: the manager hears of a staged transfer's failure only once
+    /// every chunk of its batch is done, which may be seconds after the write failed.)
+    fn check_session_dead(
+        &mut self,
+        p: u32,
+        room: Room,
+        status: KVPoll,
+        reason: Option<&RoomError>,
+    ) {
+        let Some(RoomError::SessionDead { session, .. }) = reason else {
+            return;
+        };
+        if status != KVPoll::Failed {
+            return;
+        }
+        let Some((d, _)) = super::session_decode(session, self.sc.decode_tp) else {
+            return;
+        };
+        let Some(&inc) = self.rooms.get(&room).and_then(|r| r.d_inc.get(&d)) else {
+            return;
+        };
+        let now = self.clock.now();
+        let gone = self.decodes[d as usize].inc != inc;
+        let failed = self.peer_failures.get(&(p, d, inc)).copied();
+        self.check.check(
+            Inv::SessionDeadOwnIncarnation,
+            gone || failed.is_some(),
+            Some(room),
+            || {
+                let last = failed.map_or_else(
+                    || "never".to_owned(),
+                    |t| format!("{} ms ago", now.saturating_sub(t) / MS),
+                );
+                format!(
+                    "prefill rank {p} failed the room as session {session} dead, though decode \
+                     rank {d}'s incarnation {inc} that opened it is alive and a transfer towards \
+                     it last failed {last}"
+                )
+            },
+        );
     }
 
     /// A message to a decode: its frames as the decode's inbox parses them.
@@ -496,6 +542,8 @@ impl World {
         n.exiting = false;
         n.down = false;
         n.tick_at = None;
+        // The new process heard of no failure.
+        self.peer_failures.retain(|k, _| k.0 != p);
         for d in 0..self.sc.decode_tp {
             let targets = self.decodes[d as usize]
                 .targets

@@ -310,7 +310,7 @@ impl World {
         let inc = self.decodes.get(d as usize).map_or(0, |n| n.inc);
         let base = 0x2000_0000_0000 + (u64::from(d) << 34) + 0xc000_0000;
         let grid = ChunkGrid::with_pages(cfg.grid_pages);
-        let session = super::decode_session(d, inc);
+        let session = super::decode_session(d, inc, self.sc.fixed_sessions);
         Some(DecodeStager::new(
             session,
             base,

@@ -261,13 +261,31 @@ impl World {
         self.post_write(p, &session, write);
     }
 
-    /// Posts a write to the decode its session names; the data plane's handshake refuses a
-    /// session id naming an earlier incarnation of the process at that address
-    /// (`TransportError::PeerRestarted`).
+    /// The decode rank and incarnation a write of `room` on `session` is meant for: the process
+    /// the session id names, or, for an id that names none (`Scenario::fixed_sessions`), the
+    /// process that opened the room (its pages are what the write was planned for).
+    pub(crate) fn write_target(
+        &self,
+        session: &kvx_core::SessionId,
+        room: kvx_core::Room,
+    ) -> Option<(u32, u32)> {
+        let (d, named) = super::session_decode(session, self.sc.decode_tp)?;
+        let inc = match named {
+            Some(inc) => inc,
+            None => *self.rooms.get(&room)?.d_inc.get(&d)?,
+        };
+        Some((d, inc))
+    }
+
+    /// Posts a write to the decode its session names; the data plane refuses a write meant for
+    /// an earlier incarnation of the process at that address ([`World::write_target`]): the
+    /// handshake of a session id naming it (`TransportError::PeerRestarted`), or the new
+    /// process's memory keys when the id names no process.
     pub(crate) fn post_write(&mut self, p: u32, session: &kvx_core::SessionId, write: Write) {
         let now = self.clock.now();
-        let (d, named) =
-            super::session_decode(session, self.sc.decode_tp).expect("sessions are the decodes'");
+        let (d, named) = self
+            .write_target(session, write.room)
+            .expect("sessions are the decodes', rooms the world's");
         let p_inc = self.prefills[p as usize].inc;
         let d_inc = self.decodes[d as usize].inc;
         if named != d_inc && self.mutant != Some(crate::mutants::Mutant::AnyInstance) {
@@ -314,6 +332,16 @@ impl World {
             s.posted = s.posted.saturating_sub(1);
             s.alone = false;
             died = s.dying && s.posted == 0;
+        }
+        if matches!(a.result, BatchResult::Lost(_))
+            && let Some((d, d_inc)) = self.write_target(&job.session, job.room)
+        {
+            let now = self.clock.now();
+            self.peer_failures.insert((a.p, d, d_inc), now);
+            let n = &self.decodes[d as usize];
+            if n.inc != d_inc && !n.down {
+                self.stats.stale_failures += 1;
+            }
         }
         let outcome = match a.result {
             BatchResult::Ok => Outcome::Done,
