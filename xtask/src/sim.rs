@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 9] = [
+pub const MUTANTS: [&str; 10] = [
     "late-write",
     "early-ack",
     "lost-status",
@@ -18,6 +18,7 @@ pub const MUTANTS: [&str; 9] = [
     "ignore-watermark",
     "early-exit",
     "place-over-live",
+    "stale-blacklist",
 ];
 
 /// Options of `cargo xtask sim`.
@@ -29,8 +30,7 @@ pub struct Opts {
     /// Step budget (default 1,000,000; the long profile is 100,000,000).
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Run with a planted bug (late-write, early-ack, lost-status, leak, any-instance,
-    /// early-slot-reuse, ignore-watermark, early-exit).
+    /// Run with a planted bug (a kvx-sim mutant name; `kvx-sim --help` lists them).
     #[arg(long)]
     pub mutant: Option<String>,
 }
