@@ -525,6 +525,18 @@ impl StagingDriver {
         }
     }
 
+    /// Since when the room's longest-parked chunk (complete, waiting for a placement or a
+    /// watermark, towards any of its decode sessions) has waited; `None` when none is parked.
+    /// What [`StagingDriver::expire`] measures against the wait timeout, for an observer (kvx-sim
+    /// asks it when a decode times out on the room).
+    pub fn parked_since(&self, room: Room) -> Option<Instant> {
+        self.rooms
+            .iter()
+            .filter(|((r, _), _)| *r == room)
+            .flat_map(|(_, rs)| rs.chunks.values().filter_map(|a| a.parked))
+            .min()
+    }
+
     /// Decode sessions that rooms with staging state wait on (sorted, each once).
     pub fn sessions(&self) -> Vec<SessionId> {
         let set: BTreeSet<&SessionId> = self.rooms.keys().map(|(_, s)| s).collect();

@@ -68,6 +68,7 @@ fn main() -> ExitCode {
         stats.worker_restarts += out.stats.worker_restarts;
         stats.undrained_success += out.stats.undrained_success;
         stats.stale_failures += out.stats.stale_failures;
+        stats.lost_abort_writes += out.stats.lost_abort_writes;
         for (c, n) in checks.iter_mut().zip(out.checks) {
             *c += n;
         }
@@ -112,7 +113,7 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY, {} failures towards a restarted decode's earlier process){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY, {} failures towards a restarted decode's earlier process, {} writes after a release timeout that followed a lost ABORT){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.in_place,
@@ -125,6 +126,7 @@ fn main() -> ExitCode {
         stats.worker_restarts,
         stats.undrained_success,
         stats.stale_failures,
+        stats.lost_abort_writes,
         mutant
             .map(|m| format!(", mutant {}", m.name()))
             .unwrap_or_default()

@@ -284,6 +284,8 @@ fn ring_wrap_parks_until_the_watermark() {
     p.stage(r, 1, 0, 8, &pages);
     assert_eq!(p.posted.len(), 1, "chunk 1 must wait for the watermark");
     assert_eq!(p.driver.parked_count(), 1);
+    assert_eq!(p.driver.parked_since(r), Some(p.now));
+    assert_eq!(p.driver.parked_since(room(99)), None);
     // The writer sends heads 4..8 of its 8 (decode rank 1's half).
     assert_eq!((p.posted[0].spec.head, p.posted[0].spec.n_heads), (4, 4));
     p.write(0, 0);
@@ -291,6 +293,7 @@ fn ring_wrap_parks_until_the_watermark() {
     assert_eq!(p.posted[0].key.chunk_idx, 1);
     assert_eq!(p.posted[0].dst, RING_BASE);
     assert_eq!(p.driver.parked_count(), 0);
+    assert_eq!(p.driver.parked_since(r), None, "posted: no longer parked");
     p.write(0, 0);
     assert_eq!(p.done, vec![(BatchId(1), Ok(()))]);
 }

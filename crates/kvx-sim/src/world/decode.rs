@@ -130,7 +130,7 @@ impl World {
                 reason,
             } => {
                 self.decodes[d as usize].last_poll.remove(&room);
-                let mut excused = self.queued_long(room);
+                let mut excused = self.queued_long(room) || self.parked_long(room);
                 if let Some(rec) = self.rooms.get_mut(&room) {
                     let prev = rec.d_done.insert(d, (status, now));
                     excused |= rec.excused;
@@ -246,6 +246,18 @@ impl World {
             dr.acked.extend(ranks);
         }
         self.maybe_release(d, room);
+    }
+
+    /// A failed room's release timeout: its pages go back even without every writing prefill
+    /// rank's word (marked for the write checks, `late_after_lost_abort` in `landing.rs`).
+    pub(crate) fn decode_release_timeout(&mut self, d: u32, room: Room) {
+        if let Some(dr) = self.decodes[d as usize].rooms.get_mut(&room)
+            && !dr.released
+            && dr.concluded.is_some()
+        {
+            dr.timed_out = true;
+        }
+        self.decode_release(d, room);
     }
 
     /// Gives a room's pages and row back.

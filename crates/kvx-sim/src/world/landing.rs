@@ -102,6 +102,9 @@ impl World {
         len: u64,
         what: &str,
     ) -> bool {
+        if self.late_after_lost_abort(p, d, room, || what.to_string()) {
+            return false;
+        }
         let dn = &self.decodes[d as usize];
         let owners: Vec<Option<Room>> = match dst {
             Loc::Kv { off, .. } => {
@@ -147,6 +150,39 @@ impl World {
         !(acked || told || released || !owned)
     }
 
+    /// True when a write of prefill rank `p` for `room` reaches decode rank `d` after the decode
+    /// gave the room's pages back at its release timeout because the room's `ABORT` towards `p`
+    /// was lost: sglang's protocol has no way to stop such a write (the prefill never heard of
+    /// the abort, and only an `ABORT_ACK` tells the decode that nothing of the room is in flight),
+    /// so it breaks no invariant of kvx; it is counted ([`Stats::lost_abort_writes`]) and not
+    /// applied, so that the pages' next room is checked against what kvx itself does (kvx-sim
+    /// seeds 104670 and 124531: the room's batches waited in a worker queue behind slow writes
+    /// past the release timeout).
+    ///
+    /// [`Stats::lost_abort_writes`]: super::Stats::lost_abort_writes
+    fn late_after_lost_abort(
+        &mut self,
+        p: u32,
+        d: u32,
+        room: Room,
+        what: impl FnOnce() -> String,
+    ) -> bool {
+        let late = self.decodes[d as usize]
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.released && r.timed_out && r.abort_lost.contains(&p));
+        if late {
+            self.stats.lost_abort_writes += 1;
+            self.trace_line(Some(room), || {
+                format!(
+                    "  {} after a release timeout that followed its lost ABORT: not applied",
+                    what()
+                )
+            });
+        }
+        late
+    }
+
     /// A staged chunk's block lands in decode rank `d`'s ring: it must fall inside a live slot
     /// granted to that chunk, over no older slot still live (the watermark admitted it), and
     /// not after the decode heard prefill rank `p`'s status or `ABORT_ACK` for the room.
@@ -159,6 +195,11 @@ impl World {
         op: &TransferOp,
         bytes: &[u8],
     ) {
+        let lost =
+            || format!("prefill rank {p} wrote chunk {chunk} ({op:?}) to decode rank {d}'s ring");
+        if self.late_after_lost_abort(p, d, room, lost) {
+            return;
+        }
         let dn = &self.decodes[d as usize];
         let dr = dn.rooms.get(&room);
         let acked = dr.is_some_and(|r| r.acked.contains(&p));

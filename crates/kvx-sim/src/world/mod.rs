@@ -314,6 +314,10 @@ pub struct Stats {
     /// their prefill rank once the decode was back up: with fixed session ids, possibly after
     /// it registered again — the order in which the failure must not blacklist the new process.
     pub stale_failures: u64,
+    /// Writes that reached a decode after it gave the room's pages back at its release timeout
+    /// because the room's `ABORT` to the writing prefill rank was lost (sglang's protocol
+    /// cannot stop them; the sim does not apply them).
+    pub lost_abort_writes: u64,
 }
 
 /// The trace of one room kept while replaying a failing seed.
@@ -545,11 +549,13 @@ impl World {
             {
                 rec.chunk_ready_lost.insert(d);
             }
+            self.note_abort(from, to, &msg, true);
             self.trace_line(msg.room(), || {
                 format!("  net drops {msg:?} {from:?}->{to:?}")
             });
             return;
         }
+        self.note_abort(from, to, &msg, false);
         let (inc, from_inc) = (self.inc_of(to), self.inc_of(from));
         for at in times {
             self.schedule(
@@ -561,6 +567,21 @@ impl World {
                     msg: msg.clone(),
                 },
             );
+        }
+    }
+
+    /// Notes whether a decode's `ABORT` of a room towards a prefill rank was lost (`lost`) or
+    /// is on its way (a later one that gets through supersedes a lost one).
+    fn note_abort(&mut self, from: Node, to: Node, msg: &Msg, lost: bool) {
+        let (Msg::Abort { room, .. }, Node::Decode(d), Node::Prefill(p)) = (msg, from, to) else {
+            return;
+        };
+        if let Some(dr) = self.decodes[d as usize].rooms.get_mut(room) {
+            if lost {
+                dr.abort_lost.insert(p);
+            } else {
+                dr.abort_lost.remove(&p);
+            }
         }
     }
 
@@ -714,7 +735,7 @@ impl World {
             }
             Ev::Release { d, inc, room } => {
                 if self.decodes[d as usize].inc == inc {
-                    self.decode_release(d, room);
+                    self.decode_release_timeout(d, room);
                 }
             }
             Ev::Fatal { p } => self.prefill_fatal(p),

@@ -73,6 +73,11 @@ pub struct DRoom {
     pub concluded: Option<KVPoll>,
     /// Pages and row given back.
     pub released: bool,
+    /// Prefill ranks the room's latest `ABORT` towards was lost on the way (the network dropped
+    /// it): they may still write, and only the release timeout gives the pages back.
+    pub abort_lost: BTreeSet<u32>,
+    /// The pages went back at the release timeout, not on every writing rank's word.
+    pub timed_out: bool,
 }
 
 /// One decode rank: the real manager plus the driver's state.

@@ -6,8 +6,9 @@
 //!
 //! What the sim adds, from what it observes and never by re-deriving the driver's rules: the
 //! *long wait* excuse of the invariants (a chunk gathered [`LONG_WAIT`] after the forward pass fed
-//! its last pages, or a room failed by the staging wait timeout, waited behind a fault; in a
-//! fault-free seed that may not happen), and the `ignore-watermark` mutant's lie
+//! its last pages, a chunk still parked that long when a decode times out on its room, or a
+//! room failed by the staging wait timeout, waited behind a fault; in a fault-free seed that
+//! may not happen), and the `ignore-watermark` mutant's lie
 //! ([`everything_free`]).
 
 use kvx_core::prefill::RoomError;
@@ -68,6 +69,23 @@ impl World {
                 n.fed.insert((room, idx), now);
             }
         }
+    }
+
+    /// True when a staged chunk of `room` has been parked [`LONG_WAIT`] in a prefill rank's
+    /// staging driver in a faulty seed (waiting for ring space behind a fault, its room not yet
+    /// failed by the wait timeout, which the driver checks only once a second): a decode that
+    /// times out on the room meanwhile waited behind that fault, as one whose chunk is gathered
+    /// late or whose room the wait timeout fails did (kvx-sim seed 131871).
+    pub(crate) fn parked_long(&self, room: Room) -> bool {
+        let now = self.clock.now();
+        self.sc.faulty
+            && self.prefills.iter().any(|n| {
+                !n.down
+                    && n.core
+                        .staging()
+                        .and_then(|d| d.parked_since(room))
+                        .is_some_and(|t| now.saturating_sub(self.clock.offset(t)) >= LONG_WAIT)
+            })
     }
 
     /// A staged chunk's worker gathers its head slices from the rank's memory.
