@@ -302,6 +302,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "ABORTed rooms whose pages were released by timeout, not by ABORT_ACK",
     ),
     (
+        "kvx_decode_abort_resends_total",
+        Kind::Counter,
+        "ABORT messages sent again because the first went unanswered, per prefill inbox",
+    ),
+    (
         "kvx_decode_late_writes_total",
         Kind::Counter,
         "Rooms whose pages changed after every ABORT_ACK came",
@@ -624,6 +629,7 @@ pub const DECODE_ZERO_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("kvx_decode_rooms_total", &[("result", "failed")]),
     ("kvx_decode_rooms_total", &[("result", "corrupt")]),
     ("kvx_decode_abort_release_timeouts_total", &[]),
+    ("kvx_decode_abort_resends_total", &[]),
     ("kvx_decode_late_writes_total", &[]),
     ("kvx_decode_prefill_instances_lost_total", &[]),
     ("kvx_decode_prefill_ranks_lost_total", &[]),

@@ -15,6 +15,16 @@
 //! do or the release timeout passes — kvx-sim seed 88 found pages released under a live rank's
 //! writes when every rank was taken for dead after a 1 s grace.
 //!
+//! An `ABORT` is sent again while it is unanswered ([`ABORT_RESEND_FIRST`], doubling up to
+//! [`ABORT_RESEND_MAX`], until the release timeout): a lost `ABORT` (a control connection cut
+//! right after it was written) would otherwise leave a live rank writing the room's queued
+//! batches after the timeout gave its pages back — the hole kvx-sim counts as
+//! `lost_abort_writes`. Prefills treat a repeated `ABORT` as the first (the room is already
+//! failed; the ACK goes out once it drained, or at once), and ACKs count once per rank, so a
+//! repeat changes nothing where the first one arrived. Resending stops once as many `ABORT_ACK`s
+//! (of any form) came back as inboxes were sent to: a sglang prefill without deferred release
+//! answers with the legacy form, which never releases the pages but shows the `ABORT` arrived.
+//!
 //! An `ABORT` towards a sglang 0.5.23 prefill carries a generation; an ACK that names a
 //! generation counts only when it is the room's current one (a late ACK of an earlier abort of a
 //! reused room id must not release the new room's pages), one without (sglang main's ranked
@@ -38,6 +48,9 @@ pub(super) struct AbortWait {
     pub(super) generation: Option<u64>,
     /// The ranks whose ranked `ABORT_ACK` came back.
     pub(super) acked: HashSet<u32>,
+    /// `ABORT_ACK`s of any form received for the room's current `ABORT` (stale generations
+    /// excluded): once there are as many as inboxes it went to, it is not sent again.
+    pub(super) answers: usize,
     /// After the instance's heartbeat was lost, no inbox the `ABORT` went to accepted a
     /// connection: every rank's process is gone and writes nothing more.
     pub(super) all_gone: bool,
@@ -49,6 +62,7 @@ impl AbortWait {
         if generation.is_some() && generation != self.generation {
             // A new abort of the room: only ACKs of this one count from now on.
             self.acked.clear();
+            self.answers = 0;
         }
         self.generation = generation.or(self.generation);
         self.sent_to.insert(endpoint);
@@ -56,14 +70,29 @@ impl AbortWait {
 
     /// Records an `ABORT_ACK`; true when it counts (see the module docs).
     pub(super) fn on_ack(&mut self, rank: Option<u32>, generation: Option<u64>) -> bool {
-        let Some(rank) = rank else {
-            return false;
-        };
         if generation.is_some() && generation != self.generation {
             return false;
         }
+        self.answers += 1;
+        let Some(rank) = rank else {
+            return false;
+        };
         self.acked.insert(rank);
         true
+    }
+
+    /// True while the `ABORT` may not have reached every inbox: fewer `ABORT_ACK`s (of any
+    /// form) came back than inboxes it went to.
+    pub(super) fn unanswered(&self) -> bool {
+        self.answers < self.sent_to.len()
+    }
+
+    /// The `ABORT`s to send again: (inbox, generation) for every inbox it went to.
+    pub(super) fn resends(&self) -> Vec<(Endpoint, Option<u64>)> {
+        self.sent_to
+            .iter()
+            .map(|ep| (ep.clone(), self.generation))
+            .collect()
     }
 }
 
@@ -74,6 +103,13 @@ const FAILED_GRACE: Duration = Duration::from_secs(1);
 const GONE_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// After the last `ABORT_ACK`, the room's pages must stay unchanged this long.
 const LATE_WRITE_WINDOW: Duration = Duration::from_millis(200);
+/// An `ABORT` still unanswered this long after it went out is sent again; each later resend
+/// waits twice as long as the one before, up to [`ABORT_RESEND_MAX`]. A kvx prefill answers
+/// once the room's queued writes drained, so a slow answer is normal for a room with much in
+/// flight: the first resend comes after the time a few hundred MiB take on a fast link.
+pub(super) const ABORT_RESEND_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two sends of one `ABORT`.
+pub(super) const ABORT_RESEND_MAX: Duration = Duration::from_secs(8);
 
 impl Peer {
     /// True once every rank the room's `ABORT` went to acknowledged it, or all of them are gone.
@@ -130,6 +166,8 @@ impl Peer {
         self.aborted_rooms.fetch_add(1, Ordering::Relaxed);
         let deadline = tokio::time::Instant::now() + self.cfg.abort_release_timeout;
         let mut probed = false;
+        let mut gap = ABORT_RESEND_FIRST;
+        let mut resend_at = tokio::time::Instant::now() + gap;
         let acked = loop {
             let notified = self.acked.notified();
             tokio::pin!(notified);
@@ -145,9 +183,16 @@ impl Peer {
                 self.mark_gone_ranks(room).await;
                 continue;
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            let wake = resend_at.min(deadline);
+            if tokio::time::timeout_at(wake, notified).await.is_ok() {
+                continue;
+            }
+            if wake >= deadline {
                 break false;
             }
+            self.resend_abort(room, gap).await;
+            gap = (gap * 2).min(ABORT_RESEND_MAX);
+            resend_at = tokio::time::Instant::now() + gap;
         };
         lock(&self.aborts).remove(&room);
         if !acked {
@@ -175,6 +220,27 @@ impl Peer {
             tracing::error!(%room, "a write landed in the room's pages after every prefill rank acknowledged its ABORT");
         }
         true
+    }
+
+    /// Sends the room's `ABORT` again to every inbox it went to, with its generation, unless
+    /// enough `ABORT_ACK`s came back to show it arrived everywhere (`waited`: how long it has
+    /// gone unanswered since it was last sent).
+    async fn resend_abort(&self, room: Room, waited: Duration) {
+        let resends = lock(&self.aborts)
+            .get(&room)
+            .filter(|w| w.unanswered())
+            .map(AbortWait::resends)
+            .unwrap_or_default();
+        if resends.is_empty() {
+            return;
+        }
+        tracing::info!(%room, ?waited, inboxes = resends.len(), "ABORT unanswered; sending it again");
+        for (ep, generation) in resends {
+            metrics::counter!("kvx_decode_abort_resends_total").increment(1);
+            let _ = self
+                .send(&ep, crate::wire::encode_abort(room, &self.me, generation))
+                .await;
+        }
     }
 
     /// A digest of every byte of the room's pages in every KV buffer. Read after every prefill
@@ -228,6 +294,28 @@ mod tests {
         assert!(w.acked.is_empty());
         assert!(!w.on_ack(Some(0), Some(3)));
         assert!(w.on_ack(Some(0), Some(4)));
+    }
+
+    #[test]
+    fn an_abort_is_resent_until_every_inbox_answered_in_any_form() {
+        let mut w = AbortWait::default();
+        w.sent(ep(1), Some(7));
+        w.sent(ep(2), Some(7));
+        assert!(w.unanswered());
+        let mut r = w.resends();
+        r.sort_by_key(|(e, _)| e.port);
+        assert_eq!(r, [(ep(1), Some(7)), (ep(2), Some(7))]);
+        // A stale ACK shows nothing of this ABORT; a legacy one shows it arrived somewhere.
+        assert!(!w.on_ack(Some(0), Some(6)));
+        assert!(w.unanswered());
+        assert!(!w.on_ack(None, None));
+        assert!(w.unanswered());
+        assert!(w.on_ack(Some(1), Some(7)));
+        assert!(!w.unanswered());
+        // A new abort of the room is unanswered again.
+        w.sent(ep(1), Some(8));
+        assert!(w.unanswered());
+        assert_eq!(w.resends()[0].1, Some(8));
     }
 
     #[test]
