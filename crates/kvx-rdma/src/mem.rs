@@ -763,30 +763,54 @@ fn push_iov(iov: &mut Vec<libc::iovec>, base: usize, len: usize, max: usize) -> 
 /// `writev(fd, parts)` skipping the first `skip` bytes of the sequence; non-blocking sockets
 /// return `WouldBlock` as an error. Returns bytes written.
 pub fn writev(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result<usize> {
-    send_parts(fd, parts, skip, false)
+    send_parts(fd, parts, skip, usize::MAX, false)
+}
+
+/// [`writev`] of at most `max` bytes (at least 1): the rest is left for the next call.
+pub fn writev_at_most(
+    fd: RawFd,
+    parts: &[IoPart<'_>],
+    skip: usize,
+    max: usize,
+) -> io::Result<usize> {
+    send_parts(fd, parts, skip, max.max(1), false)
 }
 
 /// [`writev`] on a socket that never waits, whatever the socket's mode (`sendmsg` with
 /// `MSG_DONTWAIT`): writes what the send buffer takes now, `WouldBlock` when it takes nothing.
 pub fn writev_nowait(fd: RawFd, parts: &[IoPart<'_>], skip: usize) -> io::Result<usize> {
-    send_parts(fd, parts, skip, true)
+    send_parts(fd, parts, skip, usize::MAX, true)
 }
 
-fn send_parts(fd: RawFd, parts: &[IoPart<'_>], mut skip: usize, nowait: bool) -> io::Result<usize> {
+/// One `writev` (or non-blocking `sendmsg`) of the parts after `skip`, at most `max` bytes and
+/// [`MAX_IOV`] iovecs.
+fn send_parts(
+    fd: RawFd,
+    parts: &[IoPart<'_>],
+    mut skip: usize,
+    max: usize,
+    nowait: bool,
+) -> io::Result<usize> {
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
+    let mut left = max;
     for p in parts {
         let len = p.len();
         if skip >= len {
             skip -= len;
             continue;
         }
+        if left == 0 {
+            break;
+        }
         let base = match p {
             IoPart::Bytes(b) => b.as_ptr() as usize,
             IoPart::Span(s) => s.addr as usize,
         };
-        if !push_iov(&mut iov, base + skip, len - skip, MAX_IOV) {
+        let take = (len - skip).min(left);
+        if !push_iov(&mut iov, base + skip, take, MAX_IOV) {
             break;
         }
+        left -= take;
         skip = 0;
     }
     if iov.is_empty() {
@@ -1414,6 +1438,43 @@ mod tests {
         );
         drop(b);
         assert_eq!(reader.join().unwrap(), want);
+    }
+
+    /// A capped `writev` writes at most its cap, from where the previous call stopped, across
+    /// part boundaries and inside one merged run.
+    #[test]
+    fn capped_writes_stop_at_the_cap_and_resume_in_order() {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd as _;
+        let t = RegionTable::new();
+        let src: Vec<u8> = (0..4096).map(|i| (i * 5 + 1) as u8).collect();
+        t.insert(src.as_ptr() as u64, src.len() as u64).unwrap();
+        let base = src.as_ptr() as u64;
+        let head = *b"HEADER";
+        // A header, two spans touching end to end (one iovec), a third apart.
+        let parts = [
+            IoPart::Bytes(&head),
+            IoPart::Span(t.resolve(base, 1000).unwrap()),
+            IoPart::Span(t.resolve(base + 1000, 1000).unwrap()),
+            IoPart::Span(t.resolve(base + 3000, 500).unwrap()),
+        ];
+        let mut want = head.to_vec();
+        want.extend_from_slice(&src[..2000]);
+        want.extend_from_slice(&src[3000..3500]);
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (mut done, mut calls) = (0usize, 0);
+        while done < want.len() {
+            // `done` bytes skipped: the next call resumes inside a part or a merged run.
+            let n = writev_at_most(b.as_raw_fd(), &parts, done, 700).unwrap();
+            assert_eq!(n, (want.len() - done).min(700));
+            done += n;
+            calls += 1;
+        }
+        assert_eq!(calls, want.len().div_ceil(700));
+        drop(b);
+        let mut got = Vec::new();
+        a.read_to_end(&mut got).unwrap();
+        assert_eq!(got, want);
     }
 
     /// Received bytes land in order in targets touching end to end and in more targets apart
