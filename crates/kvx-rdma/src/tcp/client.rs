@@ -596,15 +596,9 @@ fn reader(c: Arc<ConnShared>, ack_timeout: std::time::Duration) {
     }
 }
 
-/// Most bytes one `writev` of a writer puts on its socket. The kernel hands a large write to the
-/// receiver in bursts (it pushes what it queued at the end of each call, or once half the
-/// peer's window is queued), so a 16 MiB window written in one call reaches the receiving thread
-/// megabytes at a time, after the bytes left the caches; written in 1 MiB calls, it arrives as
-/// it is copied. The syscalls this adds (16 per 16 MiB) are negligible.
-const MAX_WRITE: usize = 1 << 20;
-
 /// Writes every byte of `parts` after the first `skip` on a blocking socket, at most
-/// [`MAX_WRITE`] bytes per call; returns the bytes it wrote.
+/// [`mem::BULK_WRITE`] bytes per call (a 16 MiB window in one call would reach the receiver in
+/// megabyte bursts); returns the bytes it wrote.
 fn write_parts_blocking(
     stream: &std::net::TcpStream,
     parts: &[IoPart<'_>],
@@ -619,7 +613,7 @@ fn write_parts_blocking(
             off = 0;
             continue;
         }
-        let n = match mem::writev_at_most(fd, &parts[idx..], off, MAX_WRITE) {
+        let n = match mem::writev_at_most(fd, &parts[idx..], off, mem::BULK_WRITE) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,

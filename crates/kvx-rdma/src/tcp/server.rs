@@ -500,7 +500,7 @@ fn receive(
                 // window (delayed-ACK "ping-pong" mode); the sender, waiting on them to free its
                 // send buffer, then writes in bursts. Asking for quick ACKs again after each
                 // acknowledgement keeps the bulk flow ACKed as it arrives.
-                quick_acks(stream);
+                mem::quick_acks(stream);
                 conn.idle(slot.limit().tick());
             }
         }
@@ -594,17 +594,6 @@ fn entries_to_payload(
         idx,
         off: 0,
     })
-}
-
-/// Re-arms quick TCP ACKs on `stream` (Linux's `TCP_QUICKACK`; a no-op elsewhere). Best effort:
-/// a failure only costs throughput.
-fn quick_acks(stream: &std::net::TcpStream) {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        let _ = socket2::SockRef::from(stream).set_tcp_quickack(true);
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    let _ = stream;
 }
 
 /// Runs one blocking read, retrying on `EINTR`.
