@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The mutants the self-test must catch (kvx-sim's `--mutant` names).
-pub const MUTANTS: [&str; 10] = [
+pub const MUTANTS: [&str; 11] = [
     "late-write",
     "early-ack",
     "lost-status",
@@ -19,6 +19,7 @@ pub const MUTANTS: [&str; 10] = [
     "early-exit",
     "place-over-live",
     "stale-blacklist",
+    "stale-mark",
 ];
 
 /// Options of `cargo xtask sim`.

@@ -268,8 +268,9 @@ impl WorkerCtx {
     }
 }
 
-/// How long a session found dead stays marked, and how long a registration is remembered.
-const MARK_TTL: Duration = kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
+/// How long a session found dead stays marked, and (at least) how long a registration is
+/// remembered.
+pub const MARK_TTL: Duration = kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
 
 /// Decode sessions the workers found dead, until when and why: the session's jobs queued on any
 /// worker behind the failed one fail at once, without a connect attempt each, before the loop
@@ -277,43 +278,104 @@ const MARK_TTL: Duration = kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
 /// mark, and a failure of an attempt that began before that registration — a connect or a
 /// batch towards the earlier process, answered late — marks nothing: it says nothing of the
 /// new process. Pure: every call takes `now`.
-#[derive(Debug, Default)]
-pub(crate) struct SessionMarks {
+///
+/// Public so that kvx-sim drives these very rules under simulated time (one per prefill
+/// process, shared by its workers, as the workers' context holds it here); the engine's workers
+/// are its only other user.
+#[derive(Debug)]
+pub struct SessionMarks {
     dead: HashMap<SessionId, (Instant, String)>,
-    /// When each session last registered, for [`MARK_TTL`].
+    /// When each session last registered, for `memory`.
     revived: HashMap<SessionId, Instant>,
+    /// How long a mark lasts ([`MARK_TTL`] in the engine).
+    ttl: Duration,
+    /// How long a registration is remembered (dropped at a later registration): at least
+    /// [`MARK_TTL`], whatever `ttl` — it must outlast the attempts begun before it, which a
+    /// shorter mark says nothing about.
+    memory: Duration,
+    /// kvx-sim's planted bug `stale-mark`: a failure marks the session even when the attempt
+    /// began before its latest registration.
+    #[cfg(feature = "sim-mutants")]
+    stale: bool,
+}
+
+impl Default for SessionMarks {
+    fn default() -> Self {
+        SessionMarks::with_ttl(MARK_TTL)
+    }
 }
 
 impl SessionMarks {
-    fn revive(&mut self, session: &SessionId, now: Instant) {
+    /// No marks; a mark lasts `ttl`, a registration is remembered for the longer of `ttl` and
+    /// [`MARK_TTL`]. The engine's workers use [`MARK_TTL`] (`Default`), the manager's default
+    /// failed-session TTL; kvx-sim passes its seed's failed-session TTL, as the manager's and
+    /// the workers' must agree.
+    pub fn with_ttl(ttl: Duration) -> Self {
+        SessionMarks {
+            dead: HashMap::new(),
+            revived: HashMap::new(),
+            ttl,
+            memory: ttl.max(MARK_TTL),
+            #[cfg(feature = "sim-mutants")]
+            stale: false,
+        }
+    }
+
+    /// How long a mark lasts.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Test-only (feature `sim-mutants`): arms kvx-sim's `stale-mark` mutant — a failure marks
+    /// its session dead even when the attempt began before the session's latest registration
+    /// (the decode's new process is marked dead for its old process's failure). Never in a
+    /// product.
+    #[cfg(feature = "sim-mutants")]
+    pub fn set_sim_stale_mark(&mut self, on: bool) {
+        self.stale = on;
+    }
+
+    /// `session` registered at `now` (its decode restarted, or registered again): its mark is
+    /// cleared, and failures of attempts begun before `now` no longer mark it.
+    pub fn revive(&mut self, session: &SessionId, now: Instant) {
         self.dead.remove(session);
+        let memory = self.memory;
         self.revived
-            .retain(|_, at| now.saturating_duration_since(*at) < MARK_TTL);
+            .retain(|_, at| now.saturating_duration_since(*at) < memory);
         self.revived.insert(session.clone(), now);
     }
 
-    fn dead_cause(&mut self, session: &SessionId, now: Instant) -> Option<String> {
+    /// Why `session` was found dead, while its mark lasts at `now` (expired marks are dropped).
+    pub fn dead_cause(&mut self, session: &SessionId, now: Instant) -> Option<String> {
         self.dead.retain(|_, (until, _)| *until > now);
         self.dead.get(session).map(|(_, cause)| cause.clone())
     }
 
-    /// False (nothing marked) when the session registered again after `began`.
-    fn mark_dead(
+    /// Marks `session` dead with `cause` until `now` + the TTL, after an attempt on it that
+    /// began at `began` failed at `now`. False (nothing marked) when the session registered
+    /// again after `began`: the failure was the earlier process's.
+    pub fn mark_dead(
         &mut self,
         session: &SessionId,
         cause: &str,
         began: Instant,
         now: Instant,
     ) -> bool {
-        if self.revived_since(session, began) {
+        #[cfg(feature = "sim-mutants")]
+        let stale = self.stale;
+        #[cfg(not(feature = "sim-mutants"))]
+        let stale = false;
+        if self.revived_since(session, began) && !stale {
             return false;
         }
         self.dead
-            .insert(session.clone(), (now + MARK_TTL, cause.to_owned()));
+            .insert(session.clone(), (now + self.ttl, cause.to_owned()));
         true
     }
 
-    fn revived_since(&self, session: &SessionId, t: Instant) -> bool {
+    /// True when `session` registered again after `t`: what was opened (or begun) towards it
+    /// before that went to the decode's earlier process.
+    pub fn revived_since(&self, session: &SessionId, t: Instant) -> bool {
         self.revived.get(session).is_some_and(|&at| at > t)
     }
 }
@@ -607,7 +669,7 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
 }
 
 /// Data sessions idle this long are closed.
-pub(crate) const SESSION_IDLE: Duration = Duration::from_secs(2);
+pub const SESSION_IDLE: Duration = Duration::from_secs(2);
 
 /// The cached session to `session`'s decode while it is alive and its decode did not register
 /// again since it was opened (its idle clock restarted), else a freshly opened one, cached;
@@ -866,5 +928,46 @@ mod tests {
         m.revive(&other, at(50) + MARK_TTL);
         assert!(!m.revived.contains_key(&s));
         assert!(m.mark_dead(&s, "connection reset", at(45), at(60) + MARK_TTL));
+    }
+
+    #[test]
+    fn marks_last_their_ttl() {
+        let s = SessionId::new("10.0.0.2:17000");
+        let t0 = Instant::now();
+        let ttl = Duration::from_millis(100);
+        let mut m = SessionMarks::with_ttl(ttl);
+        assert_eq!(m.ttl(), ttl);
+        assert_eq!(SessionMarks::default().ttl(), MARK_TTL);
+        assert!(m.mark_dead(&s, "reset", t0, t0));
+        assert!(
+            m.dead_cause(&s, t0 + ttl - Duration::from_nanos(1))
+                .is_some()
+        );
+        assert_eq!(m.dead_cause(&s, t0 + ttl), None);
+        // A registration is remembered for `MARK_TTL` however short the marks: a failure of an
+        // attempt begun before it, detected long after, marks nothing.
+        m.revive(&s, t0 + ttl);
+        let other = SessionId::new("10.0.0.3:17000");
+        m.revive(&other, t0 + 2 * ttl);
+        assert!(m.revived_since(&s, t0));
+        assert!(!m.mark_dead(&s, "reset", t0, t0 + 3 * ttl));
+        m.revive(&other, t0 + ttl + MARK_TTL);
+        assert!(!m.revived_since(&s, t0));
+    }
+
+    #[cfg(feature = "sim-mutants")]
+    #[test]
+    fn the_stale_mark_mutant_marks_the_new_process() {
+        let s = SessionId::new("10.0.0.2:17000");
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut m = SessionMarks::default();
+        m.set_sim_stale_mark(true);
+        m.revive(&s, at(10));
+        assert!(m.mark_dead(&s, "connection refused", at(5), at(20)));
+        assert_eq!(
+            m.dead_cause(&s, at(21)).as_deref(),
+            Some("connection refused")
+        );
     }
 }

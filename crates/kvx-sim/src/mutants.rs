@@ -14,7 +14,12 @@
 //! `leak`, `stale-blacklist`) and the real `PrefillCore` (`early-exit`). `stale-blacklist` needs
 //! seeds whose decodes keep one session id across restarts (`Scenario::fixed_sessions`, as
 //! sglang's do): a batch planned for a decode's earlier process that fails after the decode
-//! registered again blacklists the session and fails the new process's rooms.
+//! registered again blacklists the session and fails the new process's rooms. `stale-mark` is
+//! the same bug one layer down, in kvx-engine's workers (their real `SessionMarks`, which the
+//! simulated workers drive): a failure of a batch or connect begun before the decode's latest
+//! registration marks the session dead, so the new process's jobs are skipped as `PeerFailed`
+//! and its rooms fail; it too needs `fixed_sessions` (with ids naming the process, the new
+//! process's id is another session).
 
 /// A deliberately broken rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -46,11 +51,15 @@ pub enum Mutant {
     /// for the session's earlier registration (a decode that restarted under the same session
     /// id since), failing the new process's open rooms.
     StaleBlacklist,
+    /// kvx-engine's workers mark a decode session dead on any peer failure, even one of an
+    /// attempt begun before the session's latest registration (`SessionMarks::mark_dead`
+    /// ignoring `revived_since`): the restarted decode's jobs are skipped as `PeerFailed`.
+    StaleMark,
 }
 
 impl Mutant {
     /// Every mutant, in report order.
-    pub const ALL: [Mutant; 10] = [
+    pub const ALL: [Mutant; 11] = [
         Mutant::LateWrite,
         Mutant::EarlyAck,
         Mutant::LostStatus,
@@ -61,6 +70,7 @@ impl Mutant {
         Mutant::EarlyExit,
         Mutant::PlaceOverLive,
         Mutant::StaleBlacklist,
+        Mutant::StaleMark,
     ];
 
     /// The command-line name.
@@ -76,6 +86,7 @@ impl Mutant {
             Mutant::EarlyExit => "early-exit",
             Mutant::PlaceOverLive => "place-over-live",
             Mutant::StaleBlacklist => "stale-blacklist",
+            Mutant::StaleMark => "stale-mark",
         }
     }
 
@@ -106,7 +117,8 @@ impl Mutant {
             | Mutant::EarlySlotReuse
             | Mutant::IgnoreWatermark
             | Mutant::PlaceOverLive
-            | Mutant::EarlyExit => None,
+            | Mutant::EarlyExit
+            | Mutant::StaleMark => None,
             Mutant::EarlyAck => Some(SimMutant::EarlyAck),
             Mutant::LostStatus => Some(SimMutant::LostStatus),
             Mutant::Leak => Some(SimMutant::Leak),

@@ -318,6 +318,15 @@ pub struct Stats {
     /// because the room's `ABORT` to the writing prefill rank was lost (sglang's protocol
     /// cannot stop them; the sim does not apply them).
     pub lost_abort_writes: u64,
+    /// Jobs a prefill worker failed as `PeerFailed` without a write because their session was
+    /// marked dead (kvx-engine's `SessionMarks`).
+    pub marked_skips: u64,
+    /// Peer failures that marked nothing: the attempt began before the session's latest
+    /// registration (a decode that restarted under the same session id since).
+    pub unmarked_failures: u64,
+    /// `Work::Connect` opens that failed (the decode down, or the id naming an earlier
+    /// process).
+    pub failed_connects: u64,
 }
 
 /// The trace of one room kept while replaying a failing seed.
@@ -465,7 +474,7 @@ impl World {
                 exiting: false,
                 down: false,
                 tick_at: None,
-                workers: worker::Workers::new(w.sc.queues as usize),
+                workers: w.new_workers(),
                 fed: BTreeMap::new(),
             };
             node.reset_pools();

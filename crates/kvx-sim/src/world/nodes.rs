@@ -51,9 +51,10 @@ pub struct PrefillNode {
     pub tick_at: Option<Nanos>,
     /// The transfer workers.
     pub workers: Workers,
-    /// When the forward pass last fed each (room, grid chunk) of a staged room, until the room
-    /// concludes (the long-wait excuse, `stage_prefill.rs`).
-    pub fed: BTreeMap<(Room, u32), Nanos>,
+    /// When the forward pass last fed each (room, grid chunk) of a staged room, and whether a
+    /// worker gathered a copy of it since, until the room concludes (the long-wait excuse,
+    /// `stage_prefill.rs`).
+    pub fed: BTreeMap<(Room, u32), (Nanos, bool)>,
 }
 
 /// What a decode driver holds for one room (kept after release, for the write checks).

@@ -167,7 +167,8 @@ impl World {
                     n.free_rows.push(pr.row);
                 }
             }
-            Output::Event(EngineEvent::Ready { .. }) | Output::Revive(_) => {}
+            Output::Event(EngineEvent::Ready { .. }) => {}
+            Output::Revive(session) => self.worker_revive(p, &session),
             Output::Concluded {
                 room,
                 status,
@@ -528,10 +529,10 @@ impl World {
     pub(crate) fn prefill_restart(&mut self, p: u32) {
         let mem = self.prefills[p as usize].mem.clone();
         let core = self.new_prefill_core(p, &mem);
-        let queues = self.sc.queues as usize;
+        let workers = self.new_workers();
         let n = &mut self.prefills[p as usize];
         n.core = core;
-        n.workers = super::worker::Workers::new(queues);
+        n.workers = workers;
         n.fed.clear();
         n.mem.wipe();
         n.reset_pools();

@@ -6,9 +6,10 @@
 //!
 //! What the sim adds, from what it observes and never by re-deriving the driver's rules: the
 //! *long wait* excuse of the invariants (a chunk gathered [`LONG_WAIT`] after the forward pass fed
-//! its last pages, a chunk still parked that long when a decode times out on its room, or a
-//! room failed by the staging wait timeout, waited behind a fault; in a fault-free seed that
-//! may not happen), and the `ignore-watermark` mutant's lie
+//! its last pages, a chunk still parked that long when a decode times out on its room, a room
+//! failed by the staging wait timeout, or a room failed with a chunk fed that long before and
+//! never gathered, waited behind a fault; in a fault-free seed that may not happen), and the
+//! `ignore-watermark` mutant's lie
 //! ([`everything_free`]).
 
 use kvx_core::prefill::RoomError;
@@ -66,7 +67,7 @@ impl World {
         }
         for (idx, _) in ChunkGrid::with_pages(cfg.grid_pages).split(slice) {
             if let Ok(idx) = u32::try_from(idx) {
-                n.fed.insert((room, idx), now);
+                n.fed.insert((room, idx), (now, false));
             }
         }
     }
@@ -94,10 +95,11 @@ impl World {
         let n = &mut self.prefills[p as usize];
         // Kept until the room concludes: every decode session's copy of the chunk is gathered
         // against it.
-        let long = n
-            .fed
-            .get(&(w.key.room, w.key.chunk_idx))
-            .is_some_and(|&t| now.saturating_sub(t) >= LONG_WAIT);
+        let fed = n.fed.get_mut(&(w.key.room, w.key.chunk_idx));
+        let long = fed.is_some_and(|(t, gathered)| {
+            *gathered = true;
+            now.saturating_sub(*t) >= LONG_WAIT
+        });
         let mut bytes = vec![0u8; usize::try_from(w.len).unwrap_or(0)];
         let gathered = kvx_staging::gather(&w.spec, n.mem.kv_bufs(), &w.src_pages, &mut bytes);
         if long && self.sc.faulty {
@@ -109,15 +111,28 @@ impl World {
     }
 
     /// The core concluded a room: the sim forgets its notes; a room the staging wait timeout
-    /// failed waited behind a fault.
+    /// failed waited behind a fault, and so did one failed with a chunk the forward pass fed
+    /// [`LONG_WAIT`] before that no worker gathered (parked for ring space behind a fault until
+    /// the room failed — e.g. as its session dead, at the housekeeping tick that ran the staging
+    /// wait timeout after a chunk towards that decode failed: the manager hears of a staged
+    /// chunk's failure only once its batch is done; kvx-sim seed 343305).
     pub(crate) fn prefill_staging_concluded(
         &mut self,
         p: u32,
         room: Room,
         reason: Option<&RoomError>,
     ) {
-        self.prefills[p as usize].fed.retain(|k, _| k.0 != room);
-        let waited = reason.is_some_and(|r| r.to_string().contains("granted no ring space"));
+        let now = self.clock.now();
+        let n = &mut self.prefills[p as usize];
+        let mut stuck = false;
+        n.fed.retain(|&(r, _), &mut (t, gathered)| {
+            if r == room {
+                stuck |= !gathered && now.saturating_sub(t) >= LONG_WAIT;
+            }
+            r != room
+        });
+        let waited = reason.is_some_and(|r| r.to_string().contains("granted no ring space"))
+            || (reason.is_some() && stuck);
         if waited && self.sc.faulty {
             self.excuse(Some(room));
         }

@@ -7,13 +7,26 @@
 //! trips of the data plane) while it takes nothing else, and is not reported. A worker hit by a
 //! fatal fault stops taking jobs, answers what it posted, then reports its death; the core
 //! restarts it or buries its shard.
+//!
+//! The workers' dead-session marks are kvx-engine's real [`SessionMarks`], one per prefill
+//! process shared by its shards (as the engine's workers share theirs), with the seed's
+//! failed-session TTL: a peer failure of a job (a lost batch, a failed connect) marks its
+//! session with `began` = when the data session it went on was opened (as the engine's
+//! `completed` and `session_for` do), a job whose session is marked is reported
+//! `Outcome::PeerFailed` without a write, and the core's `Output::Revive` (a registration)
+//! clears the mark. Each shard caches its data sessions as the engine's worker does (opened
+//! anew once idle [`SESSION_IDLE`], after its session registered again, or after a peer
+//! failure on it), so `began` is what the engine would pass; a `Work::Connect` finding its
+//! session marked dead, or open, does nothing, else it opens one: a handshake that fails
+//! towards a decode that is down (after a connect timeout of up to `Scenario::crash_detect`
+//! in seeds that draw one) or an id naming an earlier process.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 
-use kvx_core::TransferOp;
+use kvx_core::{Room, SessionId, TransferOp};
 use kvx_engine::fault::WorkerFault;
-use kvx_engine::worker::{DEPTH, Job, Outcome, Work};
+use kvx_engine::worker::{DEPTH, Job, Outcome, SESSION_IDLE, SessionMarks, Work};
 
 use super::{Ev, World};
 use crate::clock::{MS, Nanos, US};
@@ -22,6 +35,31 @@ use crate::clock::{MS, Nanos, US};
 /// seed none waits nearly as long.
 const QUEUED_LONG: Nanos = 500 * MS;
 use crate::data::{Answer, BatchResult, Job as DataJob, Write};
+
+/// A worker's open data session towards one decode (the engine's `Cached`).
+#[derive(Clone, Copy, Debug)]
+struct Cached {
+    /// When it was opened (the `began` of a failure of a job posted on it).
+    opened: Nanos,
+    /// When a job last used it (closed after [`SESSION_IDLE`]).
+    used: Nanos,
+}
+
+/// A `Work::Connect` whose handshake the worker waits for.
+#[derive(Clone, Debug)]
+struct Connecting {
+    /// The connect job.
+    id: u64,
+    /// Its decode session.
+    session: SessionId,
+    /// The room whose metadata asked for it.
+    room: Room,
+    /// When the open began.
+    began: Nanos,
+    /// Why the open fails, decided as it began (the decode was down, or the id names an
+    /// earlier process), reported when the handshake ends.
+    failure: Option<String>,
+}
 
 /// One shard's worker and queue.
 #[derive(Debug, Default)]
@@ -39,7 +77,9 @@ struct Shard {
     /// A pump of this shard is scheduled.
     pump: bool,
     /// The `Work::Connect` whose handshake the worker waits for (it takes nothing meanwhile).
-    connecting: Option<u64>,
+    connecting: Option<Connecting>,
+    /// The worker's open data sessions.
+    sessions: BTreeMap<SessionId, Cached>,
 }
 
 /// The workers of one prefill rank.
@@ -50,16 +90,22 @@ pub struct Workers {
     jobs: BTreeMap<u64, (usize, Job)>,
     /// When each queued job was posted (until its worker takes it).
     queued_at: BTreeMap<u64, Nanos>,
+    /// For each job posted to the data plane, when the data session it went on was opened.
+    began: BTreeMap<u64, Nanos>,
+    /// The rank's dead-session marks (kvx-engine's, shared by every shard).
+    marks: SessionMarks,
     next: u64,
 }
 
 impl Workers {
-    /// `queues` idle workers.
-    pub fn new(queues: usize) -> Self {
+    /// `queues` idle workers whose session marks are `marks`.
+    pub fn new(queues: usize, marks: SessionMarks) -> Self {
         Workers {
             shards: (0..queues.max(1)).map(|_| Shard::default()).collect(),
             jobs: BTreeMap::new(),
             queued_at: BTreeMap::new(),
+            began: BTreeMap::new(),
+            marks,
             next: 0,
         }
     }
@@ -85,6 +131,58 @@ impl Workers {
 }
 
 impl World {
+    /// The workers of a new prefill process: idle, no session marked, marks lasting the seed's
+    /// failed-session TTL (the manager's, as the engine's marks last the manager's default),
+    /// registrations remembered as long as the engine remembers them, the `stale-mark` mutant
+    /// armed in them.
+    pub(crate) fn new_workers(&self) -> Workers {
+        #[allow(unused_mut)]
+        let mut marks = SessionMarks::with_ttl(crate::clock::dur(self.sc.failed_session_ttl));
+        #[cfg(feature = "mutants")]
+        marks.set_sim_stale_mark(self.mutant == Some(crate::mutants::Mutant::StaleMark));
+        Workers::new(self.sc.queues as usize, marks)
+    }
+
+    /// `Output::Revive`: `session` registered again; the workers forget that it failed.
+    pub(crate) fn worker_revive(&mut self, p: u32, session: &SessionId) {
+        let now = self.clock.instant();
+        self.prefills[p as usize].workers.marks.revive(session, now);
+    }
+
+    /// A peer failure of prefill rank `p` towards `session` for `room` (a lost batch, a failed
+    /// connect) was seen: the incarnation it was meant for may have its rooms failed as their
+    /// session dead ([`crate::invariants::Inv::SessionDeadOwnIncarnation`]).
+    fn note_peer_failure(&mut self, p: u32, session: &SessionId, room: Room) {
+        if let Some((d, d_inc)) = self.write_target(session, room) {
+            let now = self.clock.now();
+            self.peer_failures.insert((p, d, d_inc), now);
+            let n = &self.decodes[d as usize];
+            if n.inc != d_inc && !n.down {
+                self.stats.stale_failures += 1;
+            }
+        }
+    }
+
+    /// The engine's `mark_dead` after an attempt of rank `p` on `session` that began at `began`
+    /// failed now.
+    fn mark_dead(&mut self, p: u32, session: &SessionId, cause: &str, began: Nanos) {
+        let (began, now) = (self.clock.at(began), self.clock.instant());
+        let marks = &mut self.prefills[p as usize].workers.marks;
+        let marked = marks.mark_dead(session, cause, began, now);
+        if !marked {
+            // A failure of the session's earlier registration: nothing marked.
+            self.stats.unmarked_failures += 1;
+        }
+        self.trace_line(None, || {
+            let what = if marked {
+                "marks it dead"
+            } else {
+                "marks nothing (it registered since)"
+            };
+            format!("  prefill {p}'s workers: an attempt on {session} failed ({cause}): {what}")
+        });
+    }
+
     /// True when a job of `room` has waited [`QUEUED_LONG`] in a prefill worker's queue in a
     /// faulty seed (behind slow writes of other rooms: its decode may time out).
     pub(crate) fn queued_long(&self, room: kvx_core::Room) -> bool {
@@ -170,20 +268,16 @@ impl World {
             let connect = matches!(job.work, Work::Connect);
             self.dequeued(p, id, room);
             if connect {
-                // The worker opens its session (a handshake: two round trips of the data
-                // plane) and takes nothing else meanwhile; it reports nothing.
-                self.prefills[p as usize].workers.jobs.remove(&id);
-                self.stats.preconnects += 1;
-                let d = self.sc.data;
-                let rtt = self.rng.range(d.min_lat, d.max_lat.max(d.min_lat + 1));
-                let at = self.clock.now() + 2 * rtt;
-                let n = &mut self.prefills[p as usize];
-                if let Some(s) = n.workers.shards.get_mut(shard) {
-                    s.connecting = Some(id);
+                // The worker opens its session unless it is marked dead or open (a handshake:
+                // two round trips of the data plane), taking nothing else meanwhile; it
+                // reports nothing.
+                if let Some((_, job)) = self.prefills[p as usize].workers.jobs.remove(&id) {
+                    self.stats.preconnects += 1;
+                    if self.worker_connect(p, shard, id, &job) {
+                        return;
+                    }
                 }
-                let inc = n.inc;
-                self.schedule(at, Ev::Connected { p, inc, shard, id });
-                return;
+                continue;
             }
             let w = &mut self.prefills[p as usize].workers;
             let Some(s) = w.shards.get_mut(shard) else {
@@ -203,10 +297,91 @@ impl World {
                 }
                 continue;
             }
+            let now = self.clock.instant();
+            if let Some(cause) = w.marks.dead_cause(&job.session, now) {
+                // A peer failure towards the session was seen (by any shard of the rank):
+                // failed without a connect attempt, nothing written.
+                s.sessions.remove(&job.session);
+                if let Some((_, job)) = w.jobs.remove(&id) {
+                    self.stats.marked_skips += 1;
+                    let reason = format!(
+                        "Decode instance could be dead, remote session {} is not alive ({cause})",
+                        job.session
+                    );
+                    let room = job.room;
+                    self.trace_line(Some(room), || {
+                        format!("  prefill {p}'s worker {shard}: {reason}")
+                    });
+                    self.prefill_call(p, Some(room), |c, now, out| {
+                        c.finished(now, job, Outcome::PeerFailed(reason), out);
+                    });
+                }
+                continue;
+            }
             s.posted += 1;
             s.alone = staged;
             self.worker_start(p, id);
         }
+    }
+
+    /// The engine's `connect` for `Work::Connect` `id` on `shard`: nothing when its session is
+    /// marked dead or open (true: the worker goes on taking jobs), else a handshake that holds
+    /// the worker (false) and ends in [`World::worker_connected`].
+    fn worker_connect(&mut self, p: u32, shard: usize, id: u64, job: &Job) -> bool {
+        let (now, at_now) = (self.clock.now(), self.clock.instant());
+        let session = &job.session;
+        let w = &mut self.prefills[p as usize].workers;
+        if w.marks.dead_cause(session, at_now).is_some() {
+            return false;
+        }
+        let Some(s) = w.shards.get_mut(shard) else {
+            return false;
+        };
+        if let Some(c) = s.sessions.get_mut(session) {
+            let open = now.saturating_sub(c.used) < SESSION_IDLE.as_nanos() as Nanos
+                && !w.marks.revived_since(session, self.clock.at(c.opened));
+            if open {
+                c.used = now;
+                return false;
+            }
+        }
+        // The open reaches the decode at the address now, or finds it down; an id naming an
+        // earlier process is refused by the new one (`PeerRestarted`).
+        let target = super::session_decode(session, self.sc.decode_tp);
+        let failure = target.and_then(|(d, named)| {
+            let n = &self.decodes[d as usize];
+            if n.down {
+                Some(format!("connecting to {session}: peer unreachable"))
+            } else if named.is_some_and(|i| i != n.inc) {
+                Some(format!(
+                    "peer {session} restarted: it is instance {:016x} now",
+                    n.inc
+                ))
+            } else {
+                None
+            }
+        });
+        let down = target.is_some_and(|(d, _)| self.decodes[d as usize].down);
+        let d = self.sc.data;
+        let rtt = self.rng.range(d.min_lat, d.max_lat.max(d.min_lat + 1));
+        let mut at = now + 2 * rtt;
+        if down && self.sc.crash_detect > 0 {
+            // A dead host answers nothing: the connect times out.
+            at += self.rng.range(0, self.sc.crash_detect);
+        }
+        let n = &mut self.prefills[p as usize];
+        if let Some(s) = n.workers.shards.get_mut(shard) {
+            s.connecting = Some(Connecting {
+                id,
+                session: session.clone(),
+                room: job.room,
+                began: now,
+                failure,
+            });
+        }
+        let inc = n.inc;
+        self.schedule(at, Ev::Connected { p, inc, shard, id });
+        true
     }
 
     /// Posts job `id` to the data plane (a staged chunk gathered first).
@@ -216,6 +391,31 @@ impl World {
             return;
         };
         let (room, session) = (job.room, job.session.clone());
+        // The engine's `session_for`: the shard's cached session unless it idled out or its
+        // decode registered again since it was opened, else a fresh one.
+        let now = self.clock.now();
+        let w = &mut self.prefills[p as usize].workers;
+        if let Some(s) = w.shards.get_mut(shard) {
+            let cached = s.sessions.get_mut(&session).filter(|c| {
+                now.saturating_sub(c.used) < SESSION_IDLE.as_nanos() as Nanos
+                    && !w.marks.revived_since(&session, self.clock.at(c.opened))
+            });
+            let opened = match cached {
+                Some(c) => {
+                    c.used = now;
+                    c.opened
+                }
+                None => {
+                    let c = Cached {
+                        opened: now,
+                        used: now,
+                    };
+                    s.sessions.insert(session.clone(), c);
+                    now
+                }
+            };
+            w.began.insert(id, opened);
+        }
         let write = match &mut job.work {
             Work::Batch { ops, .. } => Write {
                 room,
@@ -327,21 +527,25 @@ impl World {
         let Some((shard, job)) = n.workers.jobs.remove(&a.id.job()) else {
             return;
         };
+        let began = n.workers.began.remove(&a.id.job());
         let mut died = false;
         if let Some(s) = n.workers.shards.get_mut(shard) {
             s.posted = s.posted.saturating_sub(1);
             s.alone = false;
             died = s.dying && s.posted == 0;
-        }
-        if matches!(a.result, BatchResult::Lost(_))
-            && let Some((d, d_inc)) = self.write_target(&job.session, job.room)
-        {
-            let now = self.clock.now();
-            self.peer_failures.insert((a.p, d, d_inc), now);
-            let n = &self.decodes[d as usize];
-            if n.inc != d_inc && !n.down {
-                self.stats.stale_failures += 1;
+            if matches!(a.result, BatchResult::Lost(_)) {
+                // The engine's `completed`: the session is dropped unless it is one opened
+                // since, towards the decode's new process.
+                let opened = s.sessions.get(&job.session).map(|c| c.opened);
+                if opened.is_some() && opened == began {
+                    s.sessions.remove(&job.session);
+                }
             }
+        }
+        if let BatchResult::Lost(e) = &a.result {
+            let began = began.unwrap_or_else(|| self.clock.now());
+            self.mark_dead(a.p, &job.session, e, began);
+            self.note_peer_failure(a.p, &job.session, job.room);
         }
         let outcome = match a.result {
             BatchResult::Ok => Outcome::Done,
@@ -408,12 +612,34 @@ impl World {
         if n.inc != inc || n.down {
             return;
         }
-        if let Some(s) = n.workers.shards.get_mut(shard)
-            && s.connecting == Some(id)
-        {
-            s.connecting = None;
-            self.schedule_pump(p, shard);
+        let Some(s) = n.workers.shards.get_mut(shard) else {
+            return;
+        };
+        if s.connecting.as_ref().is_none_or(|c| c.id != id) {
+            return;
         }
+        let Some(c) = s.connecting.take() else {
+            return;
+        };
+        match &c.failure {
+            None => {
+                let now = self.clock.now();
+                let cached = Cached {
+                    opened: c.began,
+                    used: now,
+                };
+                s.sessions.insert(c.session.clone(), cached);
+            }
+            Some(cause) => {
+                // The engine's `session_for`: a failed open marks the session dead (unless it
+                // registered again since the open began); the room's first batch reports it.
+                s.sessions.remove(&c.session);
+                self.stats.failed_connects += 1;
+                self.mark_dead(p, &c.session, cause, c.began);
+                self.note_peer_failure(p, &c.session, c.room);
+            }
+        }
+        self.schedule_pump(p, shard);
     }
 
     /// `Output::RestartWorker`: a fresh worker takes the shard's queue.
@@ -422,6 +648,8 @@ impl World {
         if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
             s.dying = false;
             s.connecting = None;
+            // A fresh thread: no open data session.
+            s.sessions.clear();
         }
         self.schedule_pump(p, shard);
     }
