@@ -182,6 +182,9 @@ struct RoomStage {
     target: Target,
     grid: RoomGrid,
     chunks: BTreeMap<u32, Assembly>,
+    /// A posted chunk of the room towards this session failed in transport (why): nothing more
+    /// of the room is sent to it, and later sends complete their batches with this error.
+    lost: Option<String>,
 }
 
 #[derive(Debug)]
@@ -235,6 +238,7 @@ impl StagingDriver {
                             target,
                             grid,
                             chunks: BTreeMap::new(),
+                            lost: None,
                         },
                     );
                 }
@@ -283,6 +287,12 @@ impl StagingDriver {
             out.push(Effect::Done(batch, Ok(())));
             return;
         };
+        if let Some(why) = &rs.lost {
+            // An earlier chunk of the room failed towards this session: not sent (the manager
+            // hears the failure from this batch too).
+            out.push(Effect::Done(batch, Err(why.clone())));
+            return;
+        }
         let parts = self.grid.split(slice);
         if parts.is_empty() {
             out.push(Effect::Done(batch, Ok(())));
@@ -450,13 +460,41 @@ impl StagingDriver {
     }
 
     /// A posted chunk finished (written, or not written because the room or its session
-    /// failed): reports the manager batches it completes.
+    /// failed): reports the manager batches it completes. A transport failure (`Err`) also
+    /// drops, unsent, every chunk not posted yet that shares a batch with it, completing their
+    /// batches with the same error: a chunk parked for ring space would otherwise hold its batch,
+    /// and with it the manager's news of the failed session, until the wait timeout — while the
+    /// decode waits for the lost chunk's `CHUNK_READY` and frees no ring space (found by
+    /// kvx-sim). Later sends of those rooms towards that session complete at once with the error.
     pub fn chunk_done(
         &mut self,
         batches: &[BatchId],
         result: Result<(), String>,
         out: &mut Vec<Effect>,
     ) {
+        if let Err(why) = &result {
+            let mut dropped = Vec::new();
+            for rs in self.rooms.values_mut() {
+                let hit: Vec<u32> = rs
+                    .chunks
+                    .iter()
+                    .filter(|(_, a)| a.batches.iter().any(|b| batches.contains(b)))
+                    .map(|(&i, _)| i)
+                    .collect();
+                if hit.is_empty() {
+                    continue;
+                }
+                rs.lost.get_or_insert_with(|| why.clone());
+                for i in hit {
+                    if let Some(a) = rs.chunks.remove(&i) {
+                        dropped.extend(a.batches);
+                    }
+                }
+            }
+            for b in dropped {
+                self.resolve(b, Err(why.clone()), out);
+            }
+        }
         for &b in batches {
             self.resolve(b, result.clone(), out);
         }

@@ -271,6 +271,39 @@ fn every_batch_completes_once_after_its_chunks() {
 }
 
 #[test]
+fn a_failed_chunk_drops_the_parked_chunks_of_its_batch_at_once() {
+    // As `ring_wrap_parks_until_the_watermark`: chunk 1 waits for chunk 0's region.
+    let geom = TpGeometry::new(8, 1, 2).unwrap();
+    let chunk = StagedLayout::for_decode(&geom, 1, LAYERS as u32, BPH, PAGE).chunk_bytes(4);
+    let ring = chunk * 3 / 2;
+    let mut p = Pair::new(1, 0, 2, 1, 4, ring);
+    let r = room(9);
+    p.open(r, 12, 2, 1, ring);
+    let pages = src(12);
+    p.stage(r, 1, 0, 8, &pages);
+    assert_eq!((p.posted.len(), p.driver.parked_count()), (1, 1));
+    // Chunk 0 is lost in transport: the decode will never free its region, so chunk 1 would
+    // wait for the wait timeout. Batch 1 completes now, with the error, and chunk 1 is dropped.
+    let w = p.posted.remove(0);
+    let mut fx = Vec::new();
+    p.driver
+        .chunk_done(&w.batches, Err("connection reset".into()), &mut fx);
+    p.run(fx);
+    assert_eq!(p.done, vec![(BatchId(1), Err("connection reset".into()))]);
+    assert_eq!(p.driver.parked_since(r), None, "nothing of the room waits");
+    assert!(p.posted.is_empty());
+    // A later send of the room towards that session is not written; its batch fails too.
+    p.stage(r, 2, 8, 12, &pages);
+    assert!(p.posted.is_empty());
+    assert_eq!(p.done[1], (BatchId(2), Err("connection reset".into())));
+    // The manager fails the room; the driver forgets it.
+    let mut fx = Vec::new();
+    p.driver.conclude(r, &mut fx);
+    assert!(fx.is_empty());
+    assert!(p.driver.is_idle());
+}
+
+#[test]
 fn ring_wrap_parks_until_the_watermark() {
     // TP1 → TP2 rank 1: one writer. Ring holds one and a half chunks: chunk 1 wraps to round 1
     // and may only be written once chunk 0's region is scattered and freed.
