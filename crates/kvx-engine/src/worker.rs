@@ -268,9 +268,13 @@ impl WorkerCtx {
     }
 }
 
-/// How long a session found dead stays marked, and (at least) how long a registration is
-/// remembered.
+/// How long a session found dead stays marked.
 pub const MARK_TTL: Duration = kvx_core::prefill::DEFAULT_FAILED_SESSION_TTL;
+
+/// How long a registration is remembered (at least): far longer than any attempt begun before it
+/// can take to fail (connect and acknowledgement timeouts are seconds), so that a failure
+/// detected late never marks the decode's new process. One entry per decode session id.
+pub const REGISTRATION_MEMORY: Duration = Duration::from_secs(600);
 
 /// Decode sessions the workers found dead, until when and why: the session's jobs queued on any
 /// worker behind the failed one fail at once, without a connect attempt each, before the loop
@@ -290,8 +294,8 @@ pub struct SessionMarks {
     /// How long a mark lasts ([`MARK_TTL`] in the engine).
     ttl: Duration,
     /// How long a registration is remembered (dropped at a later registration): at least
-    /// [`MARK_TTL`], whatever `ttl` — it must outlast the attempts begun before it, which a
-    /// shorter mark says nothing about.
+    /// [`REGISTRATION_MEMORY`], whatever `ttl` — it must outlast the attempts begun before it,
+    /// which a shorter mark says nothing about.
     memory: Duration,
     /// kvx-sim's planted bug `stale-mark`: a failure marks the session even when the attempt
     /// began before its latest registration.
@@ -307,7 +311,7 @@ impl Default for SessionMarks {
 
 impl SessionMarks {
     /// No marks; a mark lasts `ttl`, a registration is remembered for the longer of `ttl` and
-    /// [`MARK_TTL`]. The engine's workers use [`MARK_TTL`] (`Default`), the manager's default
+    /// [`REGISTRATION_MEMORY`]. The engine's workers use [`MARK_TTL`] (`Default`), the manager's default
     /// failed-session TTL; kvx-sim passes its seed's failed-session TTL, as the manager's and
     /// the workers' must agree.
     pub fn with_ttl(ttl: Duration) -> Self {
@@ -315,7 +319,7 @@ impl SessionMarks {
             dead: HashMap::new(),
             revived: HashMap::new(),
             ttl,
-            memory: ttl.max(MARK_TTL),
+            memory: ttl.max(REGISTRATION_MEMORY),
             #[cfg(feature = "sim-mutants")]
             stale: false,
         }
@@ -920,14 +924,18 @@ mod tests {
             Some("connection reset")
         );
         assert_eq!(m.dead_cause(&s, at(30) + MARK_TTL), None);
-        // A registration clears a mark; registrations older than the TTL are forgotten.
+        // A registration clears a mark. A failure detected long after a registration, of an
+        // attempt begun before it, still marks nothing; registrations older than the memory
+        // are forgotten.
         assert!(m.mark_dead(&s, "connection reset", at(40), at(41)));
         m.revive(&s, at(50));
         assert_eq!(m.dead_cause(&s, at(51)), None);
         let other = SessionId::new("10.0.0.3:17000");
         m.revive(&other, at(50) + MARK_TTL);
+        assert!(!m.mark_dead(&s, "connection reset", at(45), at(60) + MARK_TTL));
+        m.revive(&other, at(50) + REGISTRATION_MEMORY);
         assert!(!m.revived.contains_key(&s));
-        assert!(m.mark_dead(&s, "connection reset", at(45), at(60) + MARK_TTL));
+        assert!(m.mark_dead(&s, "connection reset", at(45), at(60) + REGISTRATION_MEMORY));
     }
 
     #[test]
@@ -944,14 +952,14 @@ mod tests {
                 .is_some()
         );
         assert_eq!(m.dead_cause(&s, t0 + ttl), None);
-        // A registration is remembered for `MARK_TTL` however short the marks: a failure of an
-        // attempt begun before it, detected long after, marks nothing.
+        // A registration is remembered for `REGISTRATION_MEMORY` however short the marks: a
+        // failure of an attempt begun before it, detected long after, marks nothing.
         m.revive(&s, t0 + ttl);
         let other = SessionId::new("10.0.0.3:17000");
         m.revive(&other, t0 + 2 * ttl);
         assert!(m.revived_since(&s, t0));
         assert!(!m.mark_dead(&s, "reset", t0, t0 + 3 * ttl));
-        m.revive(&other, t0 + ttl + MARK_TTL);
+        m.revive(&other, t0 + ttl + REGISTRATION_MEMORY);
         assert!(!m.revived_since(&s, t0));
     }
 
