@@ -62,7 +62,8 @@ fn run_clean(seed: u64) -> kvx_sim::SeedOutcome {
 /// the room — a chunk parked 500 ms now excuses the room as one gathered late does; 104670 and
 /// 124531, a decode's `ABORT` was lost and its release timeout gave the pages back while the
 /// prefill's batches of the room still waited behind slow writes — sglang's protocol cannot
-/// stop those writes (see `writes_after_a_lost_abort_are_counted_not_applied`). 343305 (staged;
+/// stop those writes; kvx's decode now resends its `ABORT` (see
+/// `a_lost_abort_is_sent_again_and_no_write_outlives_the_pages`). 343305 (staged;
 /// found once the workers' dead-session marks were simulated, identical at the commit before):
 /// after a connection failure towards a live decode no staged chunk towards it was written for
 /// 3 s (the lost chunk's ring slot held the decode's watermark; the chunks behind it stayed
@@ -83,19 +84,20 @@ fn seeds_found_on_the_way_stay_clean() {
 }
 
 /// Seeds 104670 and 124531: a decode ABORTs a room, the `ABORT` to one prefill rank is lost,
-/// and that rank's batches of the room, queued behind slow writes, land after the decode's
+/// and that rank's batches of the room, queued behind slow writes, landed after the decode's
 /// release timeout gave the pages back. The prefill never heard of the abort and only its
-/// `ABORT_ACK` could have told the decode the writes were over: a hole of sglang's protocol,
-/// not of kvx, so the writes are counted and not applied rather than reported. Since the
-/// workers' dead-session marks and data-session cache are simulated (a `Work::Connect` finding
-/// its session open or marked dead no longer holds its worker for a handshake), 124531 takes
-/// another course (clean, without such a write) and 117720 shows it instead.
+/// `ABORT_ACK` could have told the decode the writes were over: a hole of sglang's protocol. Such
+/// writes are counted (`lost_abort_writes`) and not applied. Since the workers' dead-session
+/// marks and data-session cache are simulated, 124531 takes another course and 117720 showed the
+/// hole instead. kvx-engine's decode now sends an unanswered `ABORT` again (after 1 s, then
+/// doubling up to 8 s): in both seeds a resent `ABORT` reaches the rank, which acknowledges once
+/// its writes drained, and no write lands after the pages went back.
 #[test]
-fn writes_after_a_lost_abort_are_counted_not_applied() {
+fn a_lost_abort_is_sent_again_and_no_write_outlives_the_pages() {
     for seed in [104670, 117720] {
         let out = run_clean(seed);
         assert!(
-            out.stats.lost_abort_writes > 0,
+            out.stats.abort_resends > 0 && out.stats.lost_abort_writes == 0,
             "seed {seed}: {:?}",
             out.stats
         );

@@ -11,7 +11,12 @@ use kvx_core::{
 };
 
 use super::{BOOTSTRAP, DRoom, Ev, World, decode_endpoint, decode_session, prefill_endpoint};
-use crate::clock::MS;
+use crate::clock::{MS, Nanos, SEC};
+
+/// kvx-engine's decode: an `ABORT` unanswered this long is sent again (`decode/release.rs`).
+const ABORT_RESEND_FIRST: Nanos = SEC;
+/// The longest wait between two sends of one `ABORT`.
+const ABORT_RESEND_MAX: Nanos = 8 * SEC;
 use crate::invariants::Inv;
 use crate::memory::{STATE_BUFFERS, STATE_ITEM};
 use crate::net::{Msg, Node};
@@ -116,6 +121,7 @@ impl World {
                         dr.acked.clear();
                     }
                     dr.abort_gen = generation.or(dr.abort_gen);
+                    dr.abort_to.insert(p);
                 }
                 let msg = Msg::Abort {
                     room,
@@ -197,6 +203,8 @@ impl World {
                     });
                     let inc = self.decodes[d as usize].inc;
                     self.schedule(now + self.sc.release_timeout, Ev::Release { d, inc, room });
+                    let gap = ABORT_RESEND_FIRST;
+                    self.schedule(now + gap, Ev::AbortResend { d, inc, room, gap });
                     if matches!(reason, Some(DecodeFailure::LostConnection { .. })) {
                         // kvx-engine's decode probes the ranks' inboxes once the heartbeat is
                         // lost: when none answers, every rank counts as stopped.
@@ -225,6 +233,34 @@ impl World {
         if quiet {
             self.decode_release(d, room);
         }
+    }
+
+    /// kvx-engine's decode sends a failed room's `ABORT` again, to every rank it went to with
+    /// its generation, while its pages are held and fewer ranks acknowledged than it went to;
+    /// the next resend waits twice as long, at most [`ABORT_RESEND_MAX`].
+    pub(crate) fn decode_abort_resend(&mut self, d: u32, inc: u32, room: Room, gap: Nanos) {
+        if self.decodes[d as usize].inc != inc {
+            return;
+        }
+        let Some(dr) = self.decodes[d as usize].rooms.get(&room) else {
+            return;
+        };
+        if dr.released || dr.acked.len() >= dr.abort_to.len() {
+            return;
+        }
+        let (to, generation) = (dr.abort_to.clone(), dr.abort_gen);
+        for p in to {
+            self.stats.abort_resends += 1;
+            let msg = Msg::Abort {
+                room,
+                from: d,
+                generation,
+            };
+            self.send(Node::Decode(d), Node::Prefill(p), msg);
+        }
+        let gap = (2 * gap).min(ABORT_RESEND_MAX);
+        let at = self.clock.now() + gap;
+        self.schedule(at, Ev::AbortResend { d, inc, room, gap });
     }
 
     /// The probe after a lost heartbeat (kvx-engine's decode): when no prefill rank of the

@@ -159,6 +159,18 @@ pub enum Ev {
         /// Room.
         room: Room,
     },
+    /// Decode rank `d` sends a failed room's unanswered `ABORT` again (kvx-engine's decode:
+    /// after 1 s, then doubling up to 8 s, until the pages go back).
+    AbortResend {
+        /// Rank.
+        d: u32,
+        /// Incarnation.
+        inc: u32,
+        /// Room.
+        room: Room,
+        /// The wait before this resend.
+        gap: Nanos,
+    },
     /// Decode rank `d` loses the prefill instance's heartbeat.
     HeartbeatLost {
         /// Rank.
@@ -210,7 +222,8 @@ impl Ev {
             | Ev::DecodeAbort { room, .. }
             | Ev::PrefillAbort { room, .. }
             | Ev::Release { room, .. }
-            | Ev::GoneProbe { room, .. } => Some(*room),
+            | Ev::GoneProbe { room, .. }
+            | Ev::AbortResend { room, .. } => Some(*room),
             Ev::Answer(a) => Some(a.room),
             Ev::ScatterCopy { job, .. } => Some(job.room),
             _ => None,
@@ -318,6 +331,8 @@ pub struct Stats {
     /// because the room's `ABORT` to the writing prefill rank was lost (sglang's protocol
     /// cannot stop them; the sim does not apply them).
     pub lost_abort_writes: u64,
+    /// `ABORT`s a decode sent again because fewer ranks acknowledged than it went to.
+    pub abort_resends: u64,
     /// Jobs a prefill worker failed as `PeerFailed` without a write because their session was
     /// marked dead (kvx-engine's `SessionMarks`).
     pub marked_skips: u64,
@@ -752,6 +767,7 @@ impl World {
             Ev::PrefillRestart { p } => self.prefill_restart(p),
             Ev::HeartbeatLost { d } => self.decode_heartbeat_lost(d),
             Ev::GoneProbe { d, inc, room } => self.decode_gone_probe(d, inc, room),
+            Ev::AbortResend { d, inc, room, gap } => self.decode_abort_resend(d, inc, room, gap),
             Ev::DecodeCrash { d } => self.decode_crash(d),
             Ev::DecodeRestart { d } => self.decode_restart(d),
             Ev::Pump { p, inc, shard } => self.worker_pump(p, inc, shard),

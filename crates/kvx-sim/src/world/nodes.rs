@@ -79,6 +79,9 @@ pub struct DRoom {
     pub abort_lost: BTreeSet<u32>,
     /// The pages went back at the release timeout, not on every writing rank's word.
     pub timed_out: bool,
+    /// Prefill ranks the room's `ABORT` went to (kvx-engine's decode sends it again to each
+    /// while fewer ACKs than ranks came back).
+    pub abort_to: BTreeSet<u32>,
 }
 
 /// One decode rank: the real manager plus the driver's state.
