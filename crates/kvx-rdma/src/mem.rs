@@ -738,10 +738,12 @@ pub fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
 /// six alternating pairs.
 pub const MAX_IOV: usize = 1024;
 
-/// Bytes per call for bulk senders on TCP ([`writev_all_at_most`]): with
-/// [`quick_acks`] on the receiver, 1 MiB calls ran kvx's `tcp` bulk path at 5.8–6.8 GB/s against
-/// 5.0–5.6 in 16 MiB calls (`docs/benchmarks.md`, "Where bulk time goes"); the syscalls it
-/// adds are a few per MiB.
+/// Bytes per call of the `tcp` backend's sending threads ([`writev_at_most`]): the kernel pushes
+/// what a call queued at its end (or at half the peer's window), so one call of many megabytes
+/// reaches the receiver in bursts of megabytes, after the bytes left the caches. With
+/// [`quick_acks`] on the receiver, 1 MiB calls ran kvx's `tcp` bulk path at 0.89–1.00 of a plain
+/// socket loop against 0.81–0.85 in 16 MiB calls (`docs/benchmarks.md`, "Where bulk time
+/// goes"); the syscalls it adds are a few per MiB.
 pub const BULK_WRITE: usize = 1 << 20;
 
 /// Re-arms quick TCP ACKs on `stream` (Linux's `TCP_QUICKACK`; a no-op elsewhere), best effort.
@@ -860,14 +862,6 @@ fn send_parts(
 /// Writes every byte of `parts` to a blocking socket with [`writev`] (retrying on `EINTR`).
 /// Returns the bytes written (the sum of the parts' lengths).
 pub fn writev_all(fd: RawFd, parts: &[IoPart<'_>]) -> io::Result<u64> {
-    writev_all_at_most(fd, parts, usize::MAX)
-}
-
-/// [`writev_all`] with at most `max` bytes per call. A bulk sender on TCP writes in calls of
-/// about 1 MiB ([`BULK_WRITE`]): the kernel pushes what a call queued at its end (or at half the
-/// peer's window), so one call of many megabytes reaches the receiver in bursts of megabytes,
-/// after the bytes left the caches.
-pub fn writev_all_at_most(fd: RawFd, parts: &[IoPart<'_>], max: usize) -> io::Result<u64> {
     let (mut idx, mut off, mut total) = (0usize, 0usize, 0u64);
     while idx < parts.len() {
         if parts[idx].len() == off {
@@ -875,7 +869,7 @@ pub fn writev_all_at_most(fd: RawFd, parts: &[IoPart<'_>], max: usize) -> io::Re
             off = 0;
             continue;
         }
-        let mut n = match writev_at_most(fd, &parts[idx..], off, max) {
+        let mut n = match writev(fd, &parts[idx..], off) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

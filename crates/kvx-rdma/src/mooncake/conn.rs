@@ -398,7 +398,7 @@ fn writer(c: Arc<Conn>, queue: SharedQueue, back: mpsc::WeakSender<Group>) {
             hand_back(g, &back);
             return;
         }
-        match mem::writev_all_at_most(fd, &parts, mem::BULK_WRITE) {
+        match mem::writev_all(fd, &parts) {
             Ok(_) => metrics::counter!("kvx_mooncake_bytes_sent_total").increment(payload),
             Err(e) => c.fail_all(c.lost(e.to_string())),
         }
