@@ -14,7 +14,7 @@ use kvx_bootstrap::codec::AbortAck;
 use kvx_bootstrap::http::BootstrapServer;
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
 use kvx_cli::decode::{self, DecodeConfig, Summary};
-use kvx_core::TransferOp;
+use kvx_core::{Endpoint, Room, TransferOp};
 use kvx_engine::model::{KvLayout, ModelPreset};
 use kvx_engine::plane::{Backend, DataPlane};
 use kvx_engine::region::Region;
@@ -26,6 +26,18 @@ fn recv(rt: &tokio::runtime::Runtime, inbox: &mut Inbox) -> PrefillInbound {
         .expect("hang guard: nothing from the decode")
         .unwrap();
     wire::parse_prefill_inbound(msg.frames()).unwrap()
+}
+
+/// Sends rank 0's ranked `ABORT_ACK` for `room`'s abort `generation` to the decode's inbox
+/// through `push` (the caller keeps it open until the decode has read it).
+fn acknowledge(push: &mut PushCache, endpoint: &Endpoint, room: Room, generation: Option<u64>) {
+    let ack = AbortAck {
+        room,
+        prefill_rank: Some(0),
+        generation,
+    }
+    .encode();
+    push.send(endpoint, &ack).unwrap();
 }
 
 /// One prefill rank's inbox registered with a bootstrap server, and a `kvx decode` of one room
@@ -99,13 +111,7 @@ fn a_write_after_the_abort_ack_is_counted() {
     };
     assert_eq!(room, req.room);
     let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 4);
-    let ack = AbortAck {
-        room,
-        prefill_rank: Some(0),
-        generation,
-    }
-    .encode();
-    push.send(&endpoint, &ack).unwrap();
+    acknowledge(&mut push, &endpoint, room, generation);
     // ... and then keeps writing into the room's first page, until the decode is gone (it
     // exits once the room's pages were released) or for at most a few seconds.
     let session = rt
@@ -178,13 +184,7 @@ fn an_unanswered_abort_is_sent_again_and_its_ack_releases_the_pages() {
     assert_eq!((again, &again_ep, again_gen), (room, &endpoint, generation));
     assert!(gap >= Duration::from_millis(500), "resent after {gap:?}");
     let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 4);
-    let ack = AbortAck {
-        room,
-        prefill_rank: Some(0),
-        generation,
-    }
-    .encode();
-    push.send(&endpoint, &ack).unwrap();
+    acknowledge(&mut push, &endpoint, room, generation);
     let s = rt.block_on(decode).unwrap().unwrap();
     // Released on the ACK of the repeat, not by the release timeout.
     assert_eq!(

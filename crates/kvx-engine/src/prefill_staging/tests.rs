@@ -270,16 +270,22 @@ fn every_batch_completes_once_after_its_chunks() {
     assert!(p.failed.is_empty());
 }
 
-#[test]
-fn a_failed_chunk_drops_the_parked_chunks_of_its_batch_at_once() {
-    // As `ring_wrap_parks_until_the_watermark`: chunk 1 waits for chunk 0's region.
+/// TP 1 → TP 2 rank 1 (one writer), 4-page grid chunks, a ring of one and a half chunks; room 9
+/// of `pages` pages opened, and its source pages.
+fn one_and_a_half_chunk_ring(pages: u64) -> (Pair, Room, Vec<i32>) {
     let geom = TpGeometry::new(8, 1, 2).unwrap();
     let chunk = StagedLayout::for_decode(&geom, 1, LAYERS as u32, BPH, PAGE).chunk_bytes(4);
     let ring = chunk * 3 / 2;
     let mut p = Pair::new(1, 0, 2, 1, 4, ring);
     let r = room(9);
-    p.open(r, 12, 2, 1, ring);
-    let pages = src(12);
+    p.open(r, pages, 2, 1, ring);
+    (p, r, src(pages as usize))
+}
+
+#[test]
+fn a_failed_chunk_drops_the_parked_chunks_of_its_batch_at_once() {
+    // As `ring_wrap_parks_until_the_watermark`: chunk 1 waits for chunk 0's region.
+    let (mut p, r, pages) = one_and_a_half_chunk_ring(12);
     p.stage(r, 1, 0, 8, &pages);
     assert_eq!((p.posted.len(), p.driver.parked_count()), (1, 1));
     // Chunk 0 is lost in transport: the decode will never free its region, so chunk 1 would
@@ -305,15 +311,9 @@ fn a_failed_chunk_drops_the_parked_chunks_of_its_batch_at_once() {
 
 #[test]
 fn ring_wrap_parks_until_the_watermark() {
-    // TP1 → TP2 rank 1: one writer. Ring holds one and a half chunks: chunk 1 wraps to round 1
-    // and may only be written once chunk 0's region is scattered and freed.
-    let geom = TpGeometry::new(8, 1, 2).unwrap();
-    let chunk = StagedLayout::for_decode(&geom, 1, LAYERS as u32, BPH, PAGE).chunk_bytes(4);
-    let ring = chunk * 3 / 2;
-    let mut p = Pair::new(1, 0, 2, 1, 4, ring);
-    let r = room(9);
-    p.open(r, 8, 2, 1, ring);
-    let pages = src(8);
+    // Chunk 1 wraps to round 1 and may only be written once chunk 0's region is scattered
+    // and freed.
+    let (mut p, r, pages) = one_and_a_half_chunk_ring(8);
     p.stage(r, 1, 0, 8, &pages);
     assert_eq!(p.posted.len(), 1, "chunk 1 must wait for the watermark");
     assert_eq!(p.driver.parked_count(), 1);
