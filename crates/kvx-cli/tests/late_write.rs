@@ -14,7 +14,7 @@ use kvx_bootstrap::codec::AbortAck;
 use kvx_bootstrap::http::BootstrapServer;
 use kvx_bootstrap::sockets::{Inbox, InboxConfig, InboxKind, PushCache, PushOptions, zmq};
 use kvx_cli::decode::{self, DecodeConfig, Summary};
-use kvx_core::{Endpoint, Room, TransferOp};
+use kvx_core::{DecodeRegistration, Endpoint, Room, TransferOp, TransferRequest};
 use kvx_engine::model::{KvLayout, ModelPreset};
 use kvx_engine::plane::{Backend, DataPlane};
 use kvx_engine::region::Region;
@@ -26,6 +26,33 @@ fn recv(rt: &tokio::runtime::Runtime, inbox: &mut Inbox) -> PrefillInbound {
         .expect("hang guard: nothing from the decode")
         .unwrap();
     wire::parse_prefill_inbound(msg.frames()).unwrap()
+}
+
+/// The decode's registration, then its room's metadata.
+fn registration_and_metadata(
+    rt: &tokio::runtime::Runtime,
+    inbox: &mut Inbox,
+) -> (Box<DecodeRegistration>, Box<TransferRequest>) {
+    let PrefillInbound::Registration(reg) = recv(rt, inbox) else {
+        panic!("no registration first");
+    };
+    let PrefillInbound::Metadata(req) = recv(rt, inbox) else {
+        panic!("no metadata");
+    };
+    (reg, req)
+}
+
+/// The next message, an `ABORT`: (room, the decode's inbox, generation).
+fn recv_abort(rt: &tokio::runtime::Runtime, inbox: &mut Inbox) -> (Room, Endpoint, Option<u64>) {
+    let PrefillInbound::Abort {
+        room,
+        endpoint,
+        generation,
+    } = recv(rt, inbox)
+    else {
+        panic!("no ABORT");
+    };
+    (room, endpoint, generation)
 }
 
 /// Sends rank 0's ranked `ABORT_ACK` for `room`'s abort `generation` to the decode's inbox
@@ -93,22 +120,10 @@ fn a_write_after_the_abort_ack_is_counted() {
     let src = Arc::new(Region::new(layout.item_len as usize));
     let plane = DataPlane::client(Backend::Tcp, "late-writer", 1, vec![src.clone()]).unwrap();
 
-    let PrefillInbound::Registration(reg) = recv(&rt, &mut inbox) else {
-        panic!("no registration first");
-    };
-    let PrefillInbound::Metadata(req) = recv(&rt, &mut inbox) else {
-        panic!("no metadata");
-    };
+    let (reg, req) = registration_and_metadata(&rt, &mut inbox);
     let page = req.dst.unwrap().kv_pages[0];
     // No KV and no status: the decode's waiting timeout fires and it sends ABORT.
-    let PrefillInbound::Abort {
-        room,
-        endpoint,
-        generation,
-    } = recv(&rt, &mut inbox)
-    else {
-        panic!("no ABORT");
-    };
+    let (room, endpoint, generation) = recv_abort(&rt, &mut inbox);
     assert_eq!(room, req.room);
     let mut push = PushCache::new(&ctx, PushOptions::toward_decode(), 4);
     acknowledge(&mut push, &endpoint, room, generation);
@@ -153,33 +168,14 @@ fn an_unanswered_abort_is_sent_again_and_its_ack_releases_the_pages() {
         _server,
         decode,
     } = Harness::start(release_timeout);
-    let PrefillInbound::Registration(_) = recv(&rt, &mut inbox) else {
-        panic!("no registration first");
-    };
-    let PrefillInbound::Metadata(req) = recv(&rt, &mut inbox) else {
-        panic!("no metadata");
-    };
+    let (_, req) = registration_and_metadata(&rt, &mut inbox);
     // The first ABORT goes unanswered, as if it had been lost on the way.
-    let PrefillInbound::Abort {
-        room,
-        endpoint,
-        generation,
-    } = recv(&rt, &mut inbox)
-    else {
-        panic!("no ABORT");
-    };
+    let (room, endpoint, generation) = recv_abort(&rt, &mut inbox);
     assert_eq!(room, req.room);
     let first = Instant::now();
     // The decode sends it again, to the same inbox with the same generation (an ACK of the
     // repeat must count for the room's one abort).
-    let PrefillInbound::Abort {
-        room: again,
-        endpoint: again_ep,
-        generation: again_gen,
-    } = recv(&rt, &mut inbox)
-    else {
-        panic!("no second ABORT");
-    };
+    let (again, again_ep, again_gen) = recv_abort(&rt, &mut inbox);
     let gap = first.elapsed();
     assert_eq!((again, &again_ep, again_gen), (room, &endpoint, generation));
     assert!(gap >= Duration::from_millis(500), "resent after {gap:?}");
