@@ -36,9 +36,10 @@
 //! p50 / p99 of each and the ratio of the p50s (`latency 4KiB tcp/socket p50 ratio: X.XX`).
 //! Environment: `KVX_BENCH_MIB` (bulk size, default 512), `KVX_BENCH_TOKENS` (default 4096),
 //! and tcp tuning (defaults: `TcpConfig::default()`): `KVX_BENCH_CONNS`, `KVX_BENCH_SLICE_KIB`,
-//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_DEPTH`, `KVX_BENCH_SOCKBUF_KIB`;
-//! `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`
-//! runs one case alone, without the latency section (to profile it); the rows left out are not
+//! `KVX_BENCH_WINDOW_KIB`, `KVX_BENCH_WRITES` (writes per window), `KVX_BENCH_DEPTH`,
+//! `KVX_BENCH_SOCKBUF_KIB`;
+//! `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads` (or several, comma-separated)
+//! runs those cases alone, without the latency section (to profile it); the rows left out are not
 //! printed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -357,6 +358,10 @@ fn main() {
             (TcpConfig::default().window_bytes >> 10) as usize,
         ) << 10) as u64,
         queue_depth: env_usize("KVX_BENCH_DEPTH", TcpConfig::default().queue_depth),
+        max_writes_per_window: env_usize(
+            "KVX_BENCH_WRITES",
+            TcpConfig::default().max_writes_per_window,
+        ),
         socket_buffer: std::env::var("KVX_BENCH_SOCKBUF_KIB")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
@@ -455,10 +460,10 @@ fn main() {
         runs: Vec::new(),
         cpu: 0.0,
     });
-    // `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads`: run that case alone and skip the latency
+    // `KVX_BENCH_ONLY=socket|warm|bulk|kv|heads[,…]`: run those cases alone and skip the latency
     // section (for `strace -c -f` / `perf stat` of one case; the other rows stay empty).
     let only = std::env::var("KVX_BENCH_ONLY").unwrap_or_default();
-    let runs = |case: &str| only.is_empty() || only == case;
+    let runs = |case: &str| only.is_empty() || only.split(',').any(|c| c == case);
     // Warm-up (page faults, connection ramp-up), then interleaved repetitions.
     if runs("socket") {
         socket_loop(&src[..bulk], &mut dst[..bulk], conns);

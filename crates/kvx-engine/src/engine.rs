@@ -449,11 +449,11 @@ impl PrefillEngine {
         let (inputs_tx, inputs_rx) = std::sync::mpsc::sync_channel(INPUT_QUEUE);
         let stop = Arc::new(AtomicBool::new(false));
         let mut senders = Vec::new();
-        let mut queues: Vec<JobQueue> = Vec::new();
+        let mut queues: Vec<Arc<JobQueue>> = Vec::new();
         for _ in 0..cfg.queues.max(1) {
-            let (tx, rx) = std::sync::mpsc::channel();
+            let (tx, rx) = worker::job_queue();
             senders.push(tx);
-            queues.push(Arc::new(Mutex::new(rx)));
+            queues.push(rx);
         }
         let busy = Arc::new(crate::busy::BusyClock::default());
         let workers = Arc::new(WorkerCtx {

@@ -1,11 +1,16 @@
 //! Transfer workers: one thread per queue shard, each executing the batches the engine's loop
 //! hands it, in order, and reporting every one back.
 //!
-//! A worker keeps up to [`DEPTH`] batches posted at once: the next batch's windows queue behind
-//! the current one's on the session's connections, so they do not idle while a batch's last
-//! window is acknowledged. Batches are posted in queue order (a room's chunks stay in order on
-//! the wire) and answered as they complete. A staged chunk runs alone: a staged chunk of a
-//! shard may be gathered into the shard's one staging buffer.
+//! A worker keeps up to [`DEPTH`] batches posted at once towards each decode session: the next
+//! batch's windows queue behind the current one's on the session's connections, so they do not
+//! idle while a batch's last window is acknowledged. A session's batches are posted in queue
+//! order (a room's chunks stay in order on the wire) and answered in that order. Sessions do not
+//! wait for each other: a job whose session has [`DEPTH`] batches posted is held (with the
+//! session's later jobs) while other sessions' jobs start and complete, up to [`MAX_POSTED`]
+//! batches in all — a decode that stops answering, whose batches wait out the acknowledgement
+//! timeout, holds only its own rooms. The worker sleeps on one [`Bell`], rung by new jobs
+//! and by its batches' wakers. A staged chunk gathered into the shard's one staging buffer runs
+//! alone: it starts once nothing is posted, and nothing starts beside it or passes it.
 //!
 //! A worker owns no room state: it pops a [`Job`] (a batch the `kvx-core` prefill manager
 //! planned, or a staged chunk), posts it on its cached `kvx-rdma` session to the decode and sends
@@ -24,8 +29,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::mpsc::{SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use kvx_core::prefill::BatchId;
@@ -82,8 +88,9 @@ impl Work {
     }
 }
 
-/// The queue end a worker (and its replacement) reads.
-pub type JobQueue = Arc<Mutex<Receiver<Job>>>;
+mod queue;
+
+pub use queue::{Bell, JobQueue, JobSender, job_queue};
 
 /// How one job ended.
 #[derive(Debug)]
@@ -404,7 +411,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub(crate) fn spawn_worker<R: From<Report> + Send + 'static>(
     ctx: Arc<WorkerCtx>,
     shard: usize,
-    queue: JobQueue,
+    queue: Arc<JobQueue>,
     reports: SyncSender<R>,
 ) -> std::io::Result<()> {
     metrics::gauge!("kvx_live_workers").increment(1.0);
@@ -413,15 +420,39 @@ pub(crate) fn spawn_worker<R: From<Report> + Send + 'static>(
         .spawn(move || {
             let died = worker_loop(&ctx, shard, &queue, &reports);
             metrics::gauge!("kvx_live_workers").decrement(1.0);
-            if let Some((job, fault)) = died {
+            if let Some(Death { job, fault, held }) = died {
                 let _ = reports.send(Report::Died { shard, job, fault }.into());
+                // Taken from the queue but never started: after the death (which fails every
+                // open room), as the jobs still queued are when the shard is buried.
+                for job in held {
+                    let outcome = Outcome::Skipped;
+                    let _ = reports.send(
+                        Report::Finished {
+                            shard,
+                            job,
+                            outcome,
+                        }
+                        .into(),
+                    );
+                }
             }
         })?;
     Ok(())
 }
 
-/// Batches a worker keeps posted at once (see the module docs).
+/// Batches a worker keeps posted at once towards one decode session (see the module docs).
 pub const DEPTH: usize = 2;
+
+/// Batches a worker keeps posted at once in all, towards several decode sessions.
+pub const MAX_POSTED: usize = 4 * DEPTH;
+
+/// Jobs a worker holds, taken from its queue while their session had [`DEPTH`] batches posted
+/// (a slow or silent decode's later jobs), so that other sessions' jobs pass them. With this
+/// many held it takes nothing more from its queue until one of them starts.
+pub const MAX_HELD: usize = 256;
+
+/// How long an idle worker sleeps before it looks after its idle sessions and staging buffer.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
 
 /// A posted batch, waiting for its completion.
 struct Writing {
@@ -440,19 +471,36 @@ enum Started {
     Connected,
     /// Nothing to wait for (skipped, failed before a write, or already complete).
     Done(Outcome),
-    /// Posted; its completion is awaited by [`finish`].
+    /// Posted; its completion is awaited by [`poll_posted`] (or [`finish`]).
     Writing(Writing),
 }
 
-/// Runs jobs until the rank stops (`None`) or a fatal fault (`Some((job, fault))`).
+/// How a worker ended on a fatal fault: the job it died on (if it held one), the fault, and the
+/// jobs it had taken from its queue but not started (reported [`Outcome::Skipped`] after the
+/// death).
+struct Death {
+    job: Option<Job>,
+    fault: WorkerFault,
+    held: VecDeque<Job>,
+}
+
+/// Runs jobs until the rank stops (`None`) or a fatal fault.
+///
+/// One loop, one place to sleep (the queue's [`Bell`], rung by a new job and by the waker of
+/// every posted batch): start what may start ([`next_job`]), answer what completed
+/// ([`poll_posted`]), else sleep. Batches towards one decode session are answered in the order
+/// they were posted; batches towards different sessions as each completes, so a decode that
+/// stopped answering (its batches wait for the acknowledgement timeout) holds only its own.
 fn worker_loop<R: From<Report>>(
     ctx: &WorkerCtx,
     shard: usize,
-    queue: &Mutex<Receiver<Job>>,
+    queue: &JobQueue,
     reports: &SyncSender<R>,
-) -> Option<(Option<Job>, WorkerFault)> {
+) -> Option<Death> {
     let mut sessions: Sessions = HashMap::new();
     let mut posted: VecDeque<(Job, Writing)> = VecDeque::new();
+    let mut held: VecDeque<Job> = VecDeque::new();
+    let waker = Waker::from(queue.bell().clone());
     let report = |job: Job, outcome: Outcome| {
         reports
             .send(
@@ -467,91 +515,192 @@ fn worker_loop<R: From<Report>>(
     };
     loop {
         if ctx.stop.load(Ordering::Relaxed) {
+            // Jobs held, like those still queued, are not reported: the loop is stopping.
             drain(ctx, &mut sessions, &mut posted, &report);
             return None;
         }
-        // A chunk gathered into the shard's staging buffer owns it while in flight: nothing
-        // starts beside it.
-        let room_for_more = posted.len() < DEPTH
-            && !posted
-                .front()
-                .is_some_and(|(j, _)| j.work.uses_staging_buffer());
-        if room_for_more {
-            let next = if posted.is_empty() {
-                lock(queue).recv_timeout(Duration::from_millis(100))
-            } else {
-                lock(queue).try_recv().map_err(|e| match e {
-                    TryRecvError::Empty => RecvTimeoutError::Timeout,
-                    TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
-                })
-            };
-            match next {
-                Ok(mut job) => {
-                    if job.work.uses_staging_buffer()
-                        && !drain(ctx, &mut sessions, &mut posted, &report)
-                    {
-                        return None;
-                    }
-                    let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        start(ctx, shard, &mut sessions, &mut job)
-                    }));
-                    let fault = match run {
-                        Ok(Ok(Started::Connected)) => continue,
-                        Ok(Ok(Started::Done(outcome))) => {
-                            if !report(job, outcome) {
-                                return None;
-                            }
-                            continue;
-                        }
-                        Ok(Ok(Started::Writing(w))) => {
-                            posted.push_back((job, w));
-                            continue;
-                        }
-                        Ok(Err(fault)) => fault,
-                        Err(p) => WorkerFault::from_panic(p.as_ref()),
-                    };
-                    // Dying: what is posted is answered first (nothing of it reaches the decode
-                    // after its report), then the job the fault struck.
-                    if !drain(ctx, &mut sessions, &mut posted, &report) {
-                        return None;
-                    }
-                    return Some((Some(job), fault));
-                }
-                Err(RecvTimeoutError::Timeout) if posted.is_empty() => {
-                    // A departed decode leaves no connection behind.
-                    sessions.retain(|_, c| c.session.is_alive() && c.used.elapsed() < SESSION_IDLE);
-                    // Nothing in flight reads the staging buffer.
-                    ctx.stage_bufs
-                        .release_idle(shard, &ctx.plane, Instant::now());
-                    continue;
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
+        let mut progressed = false;
+        loop {
+            let mut job = match next_job(queue, &posted, &mut held) {
+                Ok(Some(job)) => job,
+                Ok(None) => break,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
                     drain(ctx, &mut sessions, &mut posted, &report);
                     return None;
                 }
-            }
+            };
+            progressed = true;
+            let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                start(ctx, shard, &mut sessions, &mut job)
+            }));
+            let fault = match run {
+                Ok(Ok(Started::Connected)) => continue,
+                Ok(Ok(Started::Done(outcome))) => {
+                    if !report(job, outcome) {
+                        return None;
+                    }
+                    continue;
+                }
+                Ok(Ok(Started::Writing(w))) => {
+                    posted.push_back((job, w));
+                    continue;
+                }
+                Ok(Err(fault)) => fault,
+                Err(p) => WorkerFault::from_panic(p.as_ref()),
+            };
+            return die(ctx, &mut sessions, &mut posted, held, &report, job, fault);
         }
-        let Some((job, w)) = posted.pop_front() else {
-            continue;
-        };
-        let run =
-            std::panic::catch_unwind(AssertUnwindSafe(|| finish(ctx, &mut sessions, &job, w)));
-        match run {
-            Ok(outcome) => {
+        match poll_posted(ctx, &mut sessions, &mut posted, &waker) {
+            Polled::Done(job, outcome) => {
                 if !report(job, outcome) {
                     return None;
                 }
+                sessions.retain(|_, c| c.session.is_alive());
+                continue;
             }
+            Polled::Panicked(job, fault) => {
+                return die(ctx, &mut sessions, &mut posted, held, &report, job, fault);
+            }
+            Polled::Pending => {}
+        }
+        if progressed {
+            continue;
+        }
+        let rung = queue.bell().wait(IDLE_WAIT);
+        if !rung && posted.is_empty() && held.is_empty() {
+            // A departed decode leaves no connection behind.
+            sessions.retain(|_, c| c.session.is_alive() && c.used.elapsed() < SESSION_IDLE);
+            // Nothing in flight reads the staging buffer.
+            ctx.stage_bufs
+                .release_idle(shard, &ctx.plane, Instant::now());
+        }
+    }
+}
+
+/// Dying on `fault` (while starting or awaiting `job`): what is posted is answered first
+/// (nothing of it reaches the decode after its report), then the death is reported with the
+/// jobs held. `None` when the loop is gone.
+fn die(
+    ctx: &WorkerCtx,
+    sessions: &mut Sessions,
+    posted: &mut VecDeque<(Job, Writing)>,
+    held: VecDeque<Job>,
+    report: &impl Fn(Job, Outcome) -> bool,
+    job: Job,
+    fault: WorkerFault,
+) -> Option<Death> {
+    if !drain(ctx, sessions, posted, report) {
+        return None;
+    }
+    Some(Death {
+        job: Some(job),
+        fault,
+        held,
+    })
+}
+
+/// Batches posted towards `session`.
+fn posted_to(posted: &VecDeque<(Job, Writing)>, session: &SessionId) -> usize {
+    posted.iter().filter(|(j, _)| &j.session == session).count()
+}
+
+/// The next job the worker may start, from the jobs it holds (in the order taken) or else from
+/// its queue; `Ok(None)` when none may start now. A job whose session has [`DEPTH`] batches
+/// posted, or an earlier job held, is held (at most [`MAX_HELD`]). A staged chunk gathered
+/// into the staging buffer starts alone, once nothing is posted, and nothing passes it; nothing
+/// starts beside it. At most [`MAX_POSTED`] batches are posted.
+fn next_job(
+    queue: &JobQueue,
+    posted: &VecDeque<(Job, Writing)>,
+    held: &mut VecDeque<Job>,
+) -> Result<Option<Job>, TryRecvError> {
+    if posted.len() >= MAX_POSTED || posted.iter().any(|(j, _)| j.work.uses_staging_buffer()) {
+        return Ok(None);
+    }
+    // Sessions with a job held that may not start yet: their later jobs wait behind it.
+    let mut waiting: Vec<SessionId> = Vec::new();
+    for i in 0..held.len() {
+        let job = &held[i];
+        if job.work.uses_staging_buffer() {
+            // A barrier: it starts once nothing is posted (nothing held before it could then
+            // be waiting), and nothing taken after it passes it.
+            return Ok(posted.is_empty().then(|| held.remove(i)).flatten());
+        }
+        if waiting.contains(&job.session) {
+            continue;
+        }
+        if posted_to(posted, &job.session) < DEPTH {
+            return Ok(held.remove(i));
+        }
+        waiting.push(job.session.clone());
+    }
+    while held.len() < MAX_HELD {
+        let job = queue.try_recv()?;
+        let alone = job.work.uses_staging_buffer();
+        if alone && !(posted.is_empty() && held.is_empty()) {
+            held.push_back(job);
+            return Ok(None);
+        }
+        if !alone && (waiting.contains(&job.session) || posted_to(posted, &job.session) >= DEPTH) {
+            waiting.push(job.session.clone());
+            held.push_back(job);
+            continue;
+        }
+        return Ok(Some(job));
+    }
+    Ok(None)
+}
+
+/// What polling the posted batches came to.
+enum Polled {
+    /// A batch completed and was taken out of the posted ones: report it.
+    Done(Job, Outcome),
+    /// Polling a batch panicked (the worker dies on it).
+    Panicked(Job, WorkerFault),
+    /// Nothing completed; every batch that may be answered next has the bell's waker.
+    Pending,
+}
+
+/// Polls each session's oldest posted batch (a session's batches are answered in post order)
+/// with `waker`, and takes out the first that completed.
+fn poll_posted(
+    ctx: &WorkerCtx,
+    sessions: &mut Sessions,
+    posted: &mut VecDeque<(Job, Writing)>,
+    waker: &Waker,
+) -> Polled {
+    let mut cx = std::task::Context::from_waker(waker);
+    let _rt = ctx.rt.enter();
+    for i in 0..posted.len() {
+        let first = match posted.get(i) {
+            Some((job, _)) => !posted.iter().take(i).any(|(j, _)| j.session == job.session),
+            None => break,
+        };
+        if !first {
+            continue;
+        }
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            posted.get_mut(i).map(|(_, w)| w.fut.as_mut().poll(&mut cx))
+        }));
+        match polled {
+            Ok(Some(std::task::Poll::Ready(r))) => {
+                let Some((job, w)) = posted.remove(i) else {
+                    break;
+                };
+                let outcome = completed(ctx, sessions, &job, &w, r);
+                return Polled::Done(job, outcome);
+            }
+            Ok(_) => {}
             Err(p) => {
-                if !drain(ctx, &mut sessions, &mut posted, &report) {
-                    return None;
-                }
-                return Some((Some(job), WorkerFault::from_panic(p.as_ref())));
+                let Some((job, _)) = posted.remove(i) else {
+                    break;
+                };
+                return Polled::Panicked(job, WorkerFault::from_panic(p.as_ref()));
             }
         }
-        sessions.retain(|_, c| c.session.is_alive());
     }
+    Polled::Pending
 }
 
 /// Waits for every posted batch, in order, and reports each; false when the loop is gone. A
@@ -976,6 +1125,132 @@ mod tests {
         assert_eq!(
             m.dead_cause(&s, at(21)).as_deref(),
             Some("connection refused")
+        );
+    }
+
+    /// A job of `session` numbered `n` (its room).
+    fn job(session: &str, n: u64) -> Job {
+        Job {
+            room: Room::new(n).unwrap(),
+            session: SessionId::new(session),
+            work: Work::Connect,
+            cancel: Arc::default(),
+        }
+    }
+
+    /// `job` as posted: a batch that never completes.
+    fn posting(job: Job, busy: &Arc<BusyClock>) -> (Job, Writing) {
+        let fut: BoxFuture<'static, Result<BatchReport, TransportError>> =
+            Box::pin(std::future::pending());
+        let now = Instant::now();
+        let w = Writing {
+            fut,
+            t0: now,
+            opened: now,
+            _busy: busy.enter(),
+        };
+        (job, w)
+    }
+
+    fn rooms(held: &VecDeque<Job>) -> Vec<u64> {
+        held.iter().map(|j| j.room.get()).collect()
+    }
+
+    #[test]
+    fn a_session_at_its_depth_holds_its_own_jobs_and_no_one_else_s() {
+        let busy = Arc::new(BusyClock::default());
+        let (tx, queue) = job_queue();
+        let mut posted: VecDeque<(Job, Writing)> = (1..=DEPTH as u64)
+            .map(|n| posting(job("a:1", n), &busy))
+            .collect();
+        let mut held = VecDeque::new();
+        for (s, n) in [("a:1", 10), ("b:2", 20), ("a:1", 11), ("b:2", 21)] {
+            tx.send(job(s, n)).unwrap();
+        }
+        // `a` has DEPTH posted: its jobs are held, in order, and `b`'s pass them.
+        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
+        assert_eq!(next.room.get(), 20);
+        assert_eq!(rooms(&held), [10]);
+        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
+        assert_eq!(next.room.get(), 21);
+        assert_eq!(rooms(&held), [10, 11]);
+        assert!(matches!(
+            next_job(&queue, &posted, &mut held),
+            Err(TryRecvError::Empty)
+        ));
+        // One of `a`'s batches answered: its held jobs start in the order they were taken.
+        posted.pop_front();
+        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
+        assert_eq!(next.room.get(), 10);
+        posted.push_back(posting(next, &busy));
+        // `a` is at its depth again: 11 stays held, and a new job of `a` waits behind it.
+        tx.send(job("a:1", 12)).unwrap();
+        assert!(matches!(
+            next_job(&queue, &posted, &mut held),
+            Err(TryRecvError::Empty)
+        ));
+        assert_eq!(rooms(&held), [11, 12]);
+        posted.pop_front();
+        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
+        assert_eq!(next.room.get(), 11);
+        posted.push_back(posting(next, &busy));
+        // The loop's end gone: seen even with a job held (the worker stops).
+        drop(tx);
+        assert!(matches!(
+            next_job(&queue, &posted, &mut held),
+            Err(TryRecvError::Disconnected)
+        ));
+    }
+
+    #[test]
+    fn posted_and_held_jobs_are_bounded() {
+        let busy = Arc::new(BusyClock::default());
+        let (tx, queue) = job_queue();
+        // MAX_POSTED batches posted over several sessions: nothing more starts.
+        let sessions = MAX_POSTED / DEPTH;
+        let mut posted: VecDeque<(Job, Writing)> = (0..MAX_POSTED as u64)
+            .map(|n| posting(job(&format!("s:{}", n as usize % sessions), n + 1), &busy))
+            .collect();
+        let mut held = VecDeque::new();
+        tx.send(job("b:2", 1000)).unwrap();
+        assert!(next_job(&queue, &posted, &mut held).unwrap().is_none());
+        // A silent session's jobs fill the held list: then nothing passes them.
+        let silent = "silent:9";
+        posted = (1..=DEPTH as u64)
+            .map(|n| posting(job(silent, n), &busy))
+            .collect();
+        assert_eq!(
+            next_job(&queue, &posted, &mut held)
+                .unwrap()
+                .unwrap()
+                .room
+                .get(),
+            1000
+        );
+        for n in 0..MAX_HELD as u64 {
+            tx.send(job(silent, 2000 + n)).unwrap();
+        }
+        tx.send(job("b:2", 1001)).unwrap();
+        assert!(next_job(&queue, &posted, &mut held).unwrap().is_none());
+        assert_eq!(held.len(), MAX_HELD);
+        // One of the silent session's batches answered: its first held job starts, and the
+        // next call may take from the queue again.
+        posted.pop_front();
+        assert_eq!(
+            next_job(&queue, &posted, &mut held)
+                .unwrap()
+                .unwrap()
+                .room
+                .get(),
+            2000
+        );
+        assert_eq!(
+            next_job(&queue, &posted, &mut held)
+                .unwrap()
+                .unwrap()
+                .room
+                .get(),
+            2001
         );
     }
 }

@@ -634,7 +634,10 @@ mod tests {
             .filter(|s| s.needs_hosts)
             .map(|s| s.name)
             .collect();
-        assert_eq!(needing, vec!["lossy-link", "partition", "abort-drain"]);
+        assert_eq!(
+            needing,
+            vec!["lossy-link", "partition", "silent-decode", "abort-drain"]
+        );
         let lossy = all.iter().find(|s| s.name == "lossy-link").unwrap();
         let happy = all.iter().find(|s| s.name == "happy-tp1").unwrap();
         let skip = || Verdict::Skip("needs separate hosts".into());
@@ -660,6 +663,7 @@ mod tests {
             "kill-prefill",
             "lossy-link",
             "partition",
+            "silent-decode",
             "malformed-flood",
             "abort-drain",
             "fatal-worker",

@@ -8,9 +8,9 @@
 //! Nothing else touches the core, so action order is structural. The embedder reads room
 //! statuses from a view the core refreshes after each event (no round trip).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::prefill::PrefillError;
@@ -21,7 +21,7 @@ use super::{EngineEvent, PrefillMemory};
 use crate::fault::TransferThreadFailed;
 use crate::prefill_core::{HOUSEKEEPING, Output, PrefillCore, View};
 use crate::wire::{self, PrefillInbound};
-use crate::worker::{self, Job, JobQueue, Outcome, Report, WorkerCtx};
+use crate::worker::{self, JobQueue, JobSender, Outcome, Report, WorkerCtx};
 
 /// The next message on `rx`, waiting at most `wait`: first polled, yielding the CPU between
 /// polls, for up to `spin`, then slept for. A sleeping thread is woken through a futex, which on
@@ -100,10 +100,6 @@ impl From<Report> for Input {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// The failpoint `kvx::notifier::aux_data` (feature `failpoints`): an `AUX_DATA` send fails
 /// as a ZMQ send error would (the message is dropped alone).
 fn aux_send_fault() -> bool {
@@ -115,8 +111,8 @@ fn aux_send_fault() -> bool {
 pub(crate) struct Parts {
     pub mem: PrefillMemory,
     pub core: PrefillCore,
-    pub queues: Vec<Sender<Job>>,
-    pub job_queues: Vec<JobQueue>,
+    pub queues: Vec<JobSender>,
+    pub job_queues: Vec<Arc<JobQueue>>,
     pub workers: Arc<WorkerCtx>,
     pub inputs: SyncSender<Input>,
     pub notifier: Notifier,
@@ -131,8 +127,8 @@ pub(crate) struct Parts {
 pub(crate) struct Owner {
     mem: PrefillMemory,
     core: PrefillCore,
-    queues: Vec<Sender<Job>>,
-    job_queues: Vec<JobQueue>,
+    queues: Vec<JobSender>,
+    job_queues: Vec<Arc<JobQueue>>,
     pub(super) workers: Arc<WorkerCtx>,
     pub(super) inputs: SyncSender<Input>,
     /// The ZMQ sends toward decodes (status, `ABORT_ACK`, `AUX_DATA`, staging messages).
@@ -408,7 +404,7 @@ impl Owner {
             return;
         };
         loop {
-            let next = lock(&queue).try_recv();
+            let next = queue.try_recv();
             let Ok(job) = next else { break };
             let mut out = Vec::new();
             self.core

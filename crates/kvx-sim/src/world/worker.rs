@@ -1,9 +1,13 @@
 //! A prefill rank's transfer workers in the simulated world, played as kvx-engine's `worker.rs`
 //! runs them: one FIFO queue per shard (the core picks the shard), each worker keeping up to
-//! [`DEPTH`] jobs posted to the data plane — a staged chunk gathered into the staging buffer
-//! alone —, skipping a job whose room's
+//! [`DEPTH`] jobs posted to the data plane per decode session and [`MAX_POSTED`] in all — a
+//! job whose session is at its depth waits, with its session's later jobs, while other
+//! sessions' jobs pass it (at most [`MAX_HELD`] passed over); a staged chunk gathered into the
+//! staging buffer alone, and nothing passes it —, skipping a job whose room's
 //! cancel flag (set by the core) is up when it takes it, and reporting each job to the core once
-//! the data plane answered it. A `Work::Connect` holds its worker for a handshake (two round
+//! the data plane answered it (the engine answers a session's batches in post order; reporting
+//! each at once is a superset of those timings: the data plane's answers are delayed at
+//! random). A `Work::Connect` holds its worker for a handshake (two round
 //! trips of the data plane) while it takes nothing else, and is not reported. A worker hit by a
 //! fatal fault stops taking jobs, answers what it posted, then reports its death; the core
 //! restarts it or buries its shard.
@@ -26,7 +30,9 @@ use std::sync::atomic::Ordering;
 
 use kvx_core::{Room, SessionId, TransferOp};
 use kvx_engine::fault::WorkerFault;
-use kvx_engine::worker::{DEPTH, Job, Outcome, SESSION_IDLE, SessionMarks, Work};
+use kvx_engine::worker::{
+    DEPTH, Job, MAX_HELD, MAX_POSTED, Outcome, SESSION_IDLE, SessionMarks, Work,
+};
 
 use super::{Ev, World};
 use crate::clock::{MS, Nanos, US};
@@ -68,6 +74,8 @@ struct Shard {
     queue: VecDeque<u64>,
     /// Jobs posted to the data plane and not answered yet.
     posted: usize,
+    /// Of `posted`, those towards each decode session.
+    posted_to: BTreeMap<SessionId, usize>,
     /// The posted job is a staged chunk gathered into the staging buffer (it runs alone).
     alone: bool,
     /// A fatal fault hit the worker: it takes nothing more and dies once `posted` is 0.
@@ -249,21 +257,47 @@ impl World {
             let Some(s) = w.shards.get_mut(shard) else {
                 return;
             };
-            if s.dying || s.dead || s.alone || s.connecting.is_some() {
+            if s.dying || s.dead || s.alone || s.connecting.is_some() || s.posted >= MAX_POSTED {
                 return;
             }
-            let Some(&id) = s.queue.front() else {
+            // The engine's `next_job`: the first job in queue order that may start — its
+            // session has fewer than DEPTH batches posted and no earlier job waiting; the jobs
+            // passed over are the ones the engine holds (at most MAX_HELD); a chunk gathered
+            // into the staging buffer starts once nothing is posted, and nothing passes it.
+            let mut pick = None;
+            let mut waiting: Vec<&SessionId> = Vec::new();
+            for (i, id) in s.queue.iter().enumerate() {
+                let Some((_, job)) = w.jobs.get(id) else {
+                    // Reported meanwhile (buried): dropped below.
+                    pick = Some(i);
+                    break;
+                };
+                if job.work.uses_staging_buffer() {
+                    if s.posted == 0 {
+                        pick = Some(i);
+                    }
+                    break;
+                }
+                let posted = s.posted_to.get(&job.session).copied().unwrap_or(0);
+                if !waiting.contains(&&job.session) && posted < DEPTH {
+                    pick = Some(i);
+                    break;
+                }
+                waiting.push(&job.session);
+                if waiting.len() >= MAX_HELD {
+                    break;
+                }
+            }
+            let Some(i) = pick else {
+                return;
+            };
+            let Some(id) = s.queue.remove(i) else {
                 return;
             };
             let Some((_, job)) = w.jobs.get(&id) else {
-                s.queue.pop_front();
                 continue;
             };
             let staged = job.work.uses_staging_buffer();
-            if (staged && s.posted > 0) || s.posted >= DEPTH {
-                return;
-            }
-            s.queue.pop_front();
             let room = job.room;
             let connect = matches!(job.work, Work::Connect);
             self.dequeued(p, id, room);
@@ -319,6 +353,7 @@ impl World {
                 continue;
             }
             s.posted += 1;
+            *s.posted_to.entry(job.session.clone()).or_default() += 1;
             s.alone = staged;
             self.worker_start(p, id);
         }
@@ -531,6 +566,12 @@ impl World {
         let mut died = false;
         if let Some(s) = n.workers.shards.get_mut(shard) {
             s.posted = s.posted.saturating_sub(1);
+            if let Some(n) = s.posted_to.get_mut(&job.session) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    s.posted_to.remove(&job.session);
+                }
+            }
             s.alone = false;
             died = s.dying && s.posted == 0;
             if matches!(a.result, BatchResult::Lost(_)) {

@@ -72,6 +72,13 @@ pub fn all() -> Vec<Scenario> {
             needs_hosts: true,
         },
         Scenario {
+            name: "silent-decode",
+            about: "one of two decodes goes silent mid-transfer: the other's rooms do not wait behind its batches",
+            budget_s: (60, 300),
+            run: net::silent_decode,
+            needs_hosts: true,
+        },
+        Scenario {
             name: "malformed-flood",
             about: "garbage and truncated frames at every inbox and port while real rooms run",
             budget_s: (60, 300),

@@ -197,3 +197,118 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
     }
     Ok(Verdict::Pass(figures))
 }
+
+/// `silent-decode`: one of two decodes goes silent mid-transfer (its link cut: no reset, no
+/// answer), while the other keeps asking for rooms. The prefill's batches to the silent decode
+/// wait for their acknowledgement timeout; the other decode's rooms, queued on the same transfer
+/// workers, must not wait behind them: the prefill keeps completing rooms between the cut and
+/// its first failure of a silent decode's room. Afterwards every room of the other decode is
+/// verified and the prefill holds no room entries.
+pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
+    if ctx.topology().is_none() {
+        return Ok(Verdict::Skip(
+            "needs separate hosts (network namespaces); this is a loopback run".into(),
+        ));
+    }
+    if let Some(v) = super::need(
+        ctx,
+        &[
+            "bootstrap",
+            "prefill --metrics-port",
+            "decode --summary-json",
+            "decode --heartbeat-interval",
+        ],
+    ) {
+        return Ok(v);
+    }
+    let model = Model::new("llama3-8b", 160);
+    let boot = common::bootstrap(ctx, 0)?;
+    let p = common::prefill(
+        ctx,
+        "prefill",
+        0,
+        boot.addr,
+        &model,
+        0,
+        &PrefillOpts::default(),
+    )?;
+    // The silent one: 8 rooms of 256 tokens in flight at a time, so that every worker holds
+    // its batches when the link goes.
+    let mut vo = DecodeOpts::new(400, 256);
+    vo.concurrency = 8;
+    vo.seed = 21;
+    vo.extra = common::heartbeat_args(2, 2);
+    let mut victim = common::decode(ctx, "decode-silent", 1, boot.addr, &model, &vo)?;
+    if !common::transfers_flowing(ctx, &p, 8.0)? {
+        return Ok(Verdict::Fail("transfers never started".into()));
+    }
+    let mut oo = DecodeOpts::new(common::sized(ctx, 300, 1000), 32);
+    oo.concurrency = 2;
+    oo.seed = 22;
+    let mut other = common::decode(ctx, "decode-other", 2, boot.addr, &model, &oo)?;
+    let success = |m: &crate::integration::metrics::Metrics| {
+        m.events("kvx_rooms_finished_total", &[("status", "success")])
+    };
+    let failed = |m: &crate::integration::metrics::Metrics| {
+        m.events("kvx_rooms_finished_total", &[("status", "failed")])
+    };
+    // Both decodes served before the cut.
+    let before = ctx.scrape(0, p.metrics)?;
+    let (_, both) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(60), |m| {
+        success(m) >= success(&before) + 8.0
+    })?;
+    if both.is_none() {
+        return Ok(Verdict::Fail(
+            "the second decode's rooms never started".into(),
+        ));
+    }
+    let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+    t.cut(0, 1)?;
+    let cut = Instant::now();
+    // A silent decode's room cannot succeed once its link is gone; half a second covers the
+    // completions the prefill had received but not yet counted.
+    std::thread::sleep(Duration::from_millis(500));
+    let base = ctx.scrape(0, p.metrics)?;
+    let (at_fail, took) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(40), |m| {
+        failed(m) > failed(&base)
+    })?;
+    let served = success(&at_fail) - success(&base);
+    let victim_end = victim.finish(Duration::from_secs(60));
+    let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
+    t.restore(0, 1)?;
+    let (code, s) = other.finish(Duration::from_secs(300))?;
+    let left = common::drained(ctx, &p, Duration::from_secs(30))?;
+    let figures = format!(
+        "first silent-decode room failed {} after the cut; rooms completed meanwhile {served}; silent decode {}; other decode exit {code}, {}; room entries left {left}",
+        took.map(|d| format!("{:.1} s", (d + Duration::from_millis(500)).as_secs_f64()))
+            .unwrap_or("never (40 s)".into()),
+        match &victim_end {
+            Ok((c, v)) => format!("exit {c}, {} failed of {}", v.failed, v.requests),
+            Err(e) => format!("{e:#}"),
+        },
+        s.figures(),
+    );
+    let _ = cut;
+    let checks = [
+        (
+            took.is_some(),
+            "the prefill never failed a silent decode's room".to_string(),
+        ),
+        (
+            served >= 4.0,
+            "the other decode's rooms waited behind the silent decode's batches".into(),
+        ),
+        (
+            victim_end
+                .as_ref()
+                .is_ok_and(|(_, v)| v.all_terminal() && v.failed > 0),
+            "the silent decode did not fail its rooms".into(),
+        ),
+        (
+            code == 0 && s.verified == s.requests && s.corrupt == 0,
+            "the other decode lost rooms".into(),
+        ),
+        (left == 0.0, "room entries left on the prefill".into()),
+    ];
+    Ok(super::faults::verdict(&checks, figures))
+}
