@@ -30,10 +30,13 @@ impl Bell {
             .rung
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !*rung {
-            *rung = true;
-            self.cv.notify_one();
+        if std::mem::replace(&mut *rung, true) {
+            return;
         }
+        // Woken after the lock is let go, so that the sleeper does not wake into a held lock.
+        // Nothing is lost: the sleeper checks the flag under the lock before it sleeps.
+        drop(rung);
+        self.cv.notify_one();
     }
 
     /// Waits until the flag is set or `timeout` passes, then clears it; true when it was rung.
