@@ -71,6 +71,7 @@ fn main() -> ExitCode {
         stats.lost_abort_writes += out.stats.lost_abort_writes;
         stats.abort_resends += out.stats.abort_resends;
         stats.marked_skips += out.stats.marked_skips;
+        stats.passed_jobs += out.stats.passed_jobs;
         stats.unmarked_failures += out.stats.unmarked_failures;
         stats.failed_connects += out.stats.failed_connects;
         for (c, n) in checks.iter_mut().zip(out.checks) {
@@ -117,7 +118,7 @@ fn main() -> ExitCode {
         }
     }
     eprintln!(
-        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY, {} failures towards a restarted decode's earlier process, {} writes after a release timeout that followed a lost ABORT, {} ABORTs sent again, {} jobs failed by a dead-session mark, {} failed preconnects, {} failures from before a registration that marked nothing){}",
+        "kvx-sim: {:.0} steps/s ({total} steps in {secs:.2} s; {} staged chunks landed ({} blocks in place, {} chunks partly in place), {} SessionLost, {} AUX_DATA rows, {} state slots, {} cancelled jobs skipped, {} sessions opened ahead of rooms, {} workers restarted, {} Success before a lost CHUNK_READY, {} failures towards a restarted decode's earlier process, {} writes after a release timeout that followed a lost ABORT, {} ABORTs sent again, {} jobs failed by a dead-session mark, {} jobs started past a session at its depth, {} failed preconnects, {} failures from before a registration that marked nothing){}",
         total as f64 / secs.max(1e-9),
         stats.scattered,
         stats.in_place,
@@ -133,6 +134,7 @@ fn main() -> ExitCode {
         stats.lost_abort_writes,
         stats.abort_resends,
         stats.marked_skips,
+        stats.passed_jobs,
         stats.failed_connects,
         stats.unmarked_failures,
         mutant

@@ -336,6 +336,9 @@ pub struct Stats {
     /// Jobs a prefill worker failed as `PeerFailed` without a write because their session was
     /// marked dead (kvx-engine's `SessionMarks`).
     pub marked_skips: u64,
+    /// Jobs a prefill worker started ahead of earlier queued jobs whose decode session had its
+    /// depth of batches posted (kvx-engine's held jobs).
+    pub passed_jobs: u64,
     /// Peer failures that marked nothing: the attempt began before the session's latest
     /// registration (a decode that restarted under the same session id since).
     pub unmarked_failures: u64,

@@ -297,6 +297,9 @@ impl World {
             let Some((_, job)) = w.jobs.get(&id) else {
                 continue;
             };
+            if i > 0 {
+                self.stats.passed_jobs += 1;
+            }
             let staged = job.work.uses_staging_buffer();
             let room = job.room;
             let connect = matches!(job.work, Work::Connect);
