@@ -36,9 +36,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::prefill::BatchId;
 use kvx_core::{Room, SessionId, TransferOp};
-use kvx_rdma::{BatchReport, BoxFuture, Session, TransportError};
+use kvx_rdma::Session;
 
-use crate::busy::{Busy, BusyClock};
+use crate::busy::BusyClock;
 use crate::engine::PrefillMemory;
 use crate::fault::WorkerFault;
 use crate::plane::DataPlane;
@@ -88,7 +88,10 @@ impl Work {
     }
 }
 
+mod pipeline;
 mod queue;
+
+use pipeline::{Polled, Posted, Started, drain, next_job, poll_posted, start};
 
 pub use queue::{Bell, JobQueue, JobSender, job_queue};
 
@@ -454,27 +457,6 @@ pub const MAX_HELD: usize = 256;
 /// How long an idle worker sleeps before it looks after its idle sessions and staging buffer.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 
-/// A posted batch, waiting for its completion.
-struct Writing {
-    fut: BoxFuture<'static, Result<BatchReport, TransportError>>,
-    /// When it was posted (`kvx_batch_latency_seconds`).
-    t0: Instant,
-    /// When the session it was posted on was opened.
-    opened: Instant,
-    /// Runs the rank's transfer busy clock until the completion was awaited.
-    _busy: Busy,
-}
-
-/// What starting a job came to.
-enum Started {
-    /// A [`Work::Connect`] ran: nothing to report.
-    Connected,
-    /// Nothing to wait for (skipped, failed before a write, or already complete).
-    Done(Outcome),
-    /// Posted; its completion is awaited by [`poll_posted`] (or [`finish`]).
-    Writing(Writing),
-}
-
 /// How a worker ended on a fatal fault: the job it died on (if it held one), the fault, and the
 /// jobs it had taken from its queue but not started (reported [`Outcome::Skipped`] after the
 /// death).
@@ -487,18 +469,19 @@ struct Death {
 /// Runs jobs until the rank stops (`None`) or a fatal fault.
 ///
 /// One loop, one place to sleep (the queue's [`Bell`], rung by a new job and by the waker of
-/// every posted batch): start what may start ([`next_job`]), answer what completed
-/// ([`poll_posted`]), else sleep. Batches towards one decode session are answered in the order
-/// they were posted; batches towards different sessions as each completes, so a decode that
-/// stopped answering (its batches wait for the acknowledgement timeout) holds only its own.
+/// every job in flight): start what may start ([`pipeline::next_job`], [`pipeline::start`]),
+/// answer what completed ([`pipeline::poll_posted`]), else sleep. Jobs towards one decode
+/// session are answered in the order they were started; different sessions' as each completes,
+/// so a decode that stopped answering (its batches wait for the acknowledgement timeout, its
+/// connect for the connect timeout) holds only its own.
 fn worker_loop<R: From<Report>>(
-    ctx: &WorkerCtx,
+    ctx: &Arc<WorkerCtx>,
     shard: usize,
     queue: &JobQueue,
     reports: &SyncSender<R>,
 ) -> Option<Death> {
     let mut sessions: Sessions = HashMap::new();
-    let mut posted: VecDeque<(Job, Writing)> = VecDeque::new();
+    let mut posted: Posted = VecDeque::new();
     let mut held: VecDeque<Job> = VecDeque::new();
     let waker = Waker::from(queue.bell().clone());
     let report = |job: Job, outcome: Outcome| {
@@ -516,7 +499,7 @@ fn worker_loop<R: From<Report>>(
     loop {
         if ctx.stop.load(Ordering::Relaxed) {
             // Jobs held, like those still queued, are not reported: the loop is stopping.
-            drain(ctx, &mut sessions, &mut posted, &report);
+            drain(ctx, shard, &mut sessions, &mut posted, &report);
             return None;
         }
         let mut progressed = false;
@@ -526,7 +509,7 @@ fn worker_loop<R: From<Report>>(
                 Ok(None) => break,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
-                    drain(ctx, &mut sessions, &mut posted, &report);
+                    drain(ctx, shard, &mut sessions, &mut posted, &report);
                     return None;
                 }
             };
@@ -542,16 +525,25 @@ fn worker_loop<R: From<Report>>(
                     }
                     continue;
                 }
-                Ok(Ok(Started::Writing(w))) => {
-                    posted.push_back((job, w));
+                Ok(Ok(Started::Posted(slot))) => {
+                    posted.push_back((job, slot));
                     continue;
                 }
                 Ok(Err(fault)) => fault,
                 Err(p) => WorkerFault::from_panic(p.as_ref()),
             };
-            return die(ctx, &mut sessions, &mut posted, held, &report, job, fault);
+            return die(
+                ctx,
+                shard,
+                &mut sessions,
+                &mut posted,
+                held,
+                &report,
+                job,
+                fault,
+            );
         }
-        match poll_posted(ctx, &mut sessions, &mut posted, &waker) {
+        match poll_posted(ctx, shard, &mut sessions, &mut posted, &waker) {
             Polled::Done(job, outcome) => {
                 if !report(job, outcome) {
                     return None;
@@ -559,8 +551,18 @@ fn worker_loop<R: From<Report>>(
                 sessions.retain(|_, c| c.session.is_alive());
                 continue;
             }
+            Polled::Moved => continue,
             Polled::Panicked(job, fault) => {
-                return die(ctx, &mut sessions, &mut posted, held, &report, job, fault);
+                return die(
+                    ctx,
+                    shard,
+                    &mut sessions,
+                    &mut posted,
+                    held,
+                    &report,
+                    job,
+                    fault,
+                );
             }
             Polled::Pending => {}
         }
@@ -581,16 +583,18 @@ fn worker_loop<R: From<Report>>(
 /// Dying on `fault` (while starting or awaiting `job`): what is posted is answered first
 /// (nothing of it reaches the decode after its report), then the death is reported with the
 /// jobs held. `None` when the loop is gone.
+#[allow(clippy::too_many_arguments)]
 fn die(
     ctx: &WorkerCtx,
+    shard: usize,
     sessions: &mut Sessions,
-    posted: &mut VecDeque<(Job, Writing)>,
+    posted: &mut Posted,
     held: VecDeque<Job>,
     report: &impl Fn(Job, Outcome) -> bool,
     job: Job,
     fault: WorkerFault,
 ) -> Option<Death> {
-    if !drain(ctx, sessions, posted, report) {
+    if !drain(ctx, shard, sessions, posted, report) {
         return None;
     }
     Some(Death {
@@ -598,132 +602,6 @@ fn die(
         fault,
         held,
     })
-}
-
-/// Batches posted towards `session`.
-fn posted_to(posted: &VecDeque<(Job, Writing)>, session: &SessionId) -> usize {
-    posted.iter().filter(|(j, _)| &j.session == session).count()
-}
-
-/// The next job the worker may start, from the jobs it holds (in the order taken) or else from
-/// its queue; `Ok(None)` when none may start now. A job whose session has [`DEPTH`] batches
-/// posted, or an earlier job held, is held (at most [`MAX_HELD`]). A staged chunk gathered
-/// into the staging buffer starts alone, once nothing is posted, and nothing passes it; nothing
-/// starts beside it. At most [`MAX_POSTED`] batches are posted.
-fn next_job(
-    queue: &JobQueue,
-    posted: &VecDeque<(Job, Writing)>,
-    held: &mut VecDeque<Job>,
-) -> Result<Option<Job>, TryRecvError> {
-    if posted.len() >= MAX_POSTED || posted.iter().any(|(j, _)| j.work.uses_staging_buffer()) {
-        return Ok(None);
-    }
-    // Sessions with a job held that may not start yet: their later jobs wait behind it.
-    let mut waiting: Vec<SessionId> = Vec::new();
-    for i in 0..held.len() {
-        let job = &held[i];
-        if job.work.uses_staging_buffer() {
-            // A barrier: it starts once nothing is posted (nothing held before it could then
-            // be waiting), and nothing taken after it passes it.
-            return Ok(posted.is_empty().then(|| held.remove(i)).flatten());
-        }
-        if waiting.contains(&job.session) {
-            continue;
-        }
-        if posted_to(posted, &job.session) < DEPTH {
-            return Ok(held.remove(i));
-        }
-        waiting.push(job.session.clone());
-    }
-    while held.len() < MAX_HELD {
-        let job = queue.try_recv()?;
-        let alone = job.work.uses_staging_buffer();
-        if alone && !(posted.is_empty() && held.is_empty()) {
-            held.push_back(job);
-            return Ok(None);
-        }
-        if !alone && (waiting.contains(&job.session) || posted_to(posted, &job.session) >= DEPTH) {
-            waiting.push(job.session.clone());
-            held.push_back(job);
-            continue;
-        }
-        return Ok(Some(job));
-    }
-    Ok(None)
-}
-
-/// What polling the posted batches came to.
-enum Polled {
-    /// A batch completed and was taken out of the posted ones: report it.
-    Done(Job, Outcome),
-    /// Polling a batch panicked (the worker dies on it).
-    Panicked(Job, WorkerFault),
-    /// Nothing completed; every batch that may be answered next has the bell's waker.
-    Pending,
-}
-
-/// Polls each session's oldest posted batch (a session's batches are answered in post order)
-/// with `waker`, and takes out the first that completed.
-fn poll_posted(
-    ctx: &WorkerCtx,
-    sessions: &mut Sessions,
-    posted: &mut VecDeque<(Job, Writing)>,
-    waker: &Waker,
-) -> Polled {
-    let mut cx = std::task::Context::from_waker(waker);
-    let _rt = ctx.rt.enter();
-    for i in 0..posted.len() {
-        let first = match posted.get(i) {
-            Some((job, _)) => !posted.iter().take(i).any(|(j, _)| j.session == job.session),
-            None => break,
-        };
-        if !first {
-            continue;
-        }
-        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            posted.get_mut(i).map(|(_, w)| w.fut.as_mut().poll(&mut cx))
-        }));
-        match polled {
-            Ok(Some(std::task::Poll::Ready(r))) => {
-                let Some((job, w)) = posted.remove(i) else {
-                    break;
-                };
-                let outcome = completed(ctx, sessions, &job, &w, r);
-                return Polled::Done(job, outcome);
-            }
-            Ok(_) => {}
-            Err(p) => {
-                let Some((job, _)) = posted.remove(i) else {
-                    break;
-                };
-                return Polled::Panicked(job, WorkerFault::from_panic(p.as_ref()));
-            }
-        }
-    }
-    Polled::Pending
-}
-
-/// Waits for every posted batch, in order, and reports each; false when the loop is gone. A
-/// batch whose wait panics is reported [`Outcome::RoomFailed`] (the worker is dying anyway).
-fn drain(
-    ctx: &WorkerCtx,
-    sessions: &mut Sessions,
-    posted: &mut VecDeque<(Job, Writing)>,
-    report: &impl Fn(Job, Outcome) -> bool,
-) -> bool {
-    while let Some((job, w)) = posted.pop_front() {
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| finish(ctx, sessions, &job, w)))
-            .unwrap_or_else(|p| {
-                Outcome::RoomFailed(format!(
-                    "transfer worker failed while awaiting the batch: {}",
-                    WorkerFault::from_panic(p.as_ref())
-                ))
-            });
-        if !report(job, outcome) {
-            return false;
-        }
-    }
-    true
 }
 
 /// The writes that put a staged chunk's block into the decode's ring. A slice of whole token
@@ -823,184 +701,6 @@ fn gather_chunk(ctx: &WorkerCtx, shard: usize, w: &StageWork) -> Result<Transfer
 
 /// Data sessions idle this long are closed.
 pub const SESSION_IDLE: Duration = Duration::from_secs(2);
-
-/// The cached session to `session`'s decode while it is alive and its decode did not register
-/// again since it was opened (its idle clock restarted), else a freshly opened one, cached;
-/// with when it was opened. An open that fails marks the session dead.
-fn session_for(
-    ctx: &WorkerCtx,
-    sessions: &mut Sessions,
-    session: &SessionId,
-) -> Result<(Arc<dyn Session>, Instant), TransportError> {
-    if let Some(c) = sessions.get_mut(session)
-        && c.session.is_alive()
-        && !ctx.revived_since(session, c.opened)
-    {
-        c.used = Instant::now();
-        return Ok((c.session.clone(), c.opened));
-    }
-    let began = Instant::now();
-    match ctx.rt.block_on(ctx.plane.open_session(session.as_str())) {
-        Ok(s) => {
-            let cached = Cached {
-                session: s.clone(),
-                used: Instant::now(),
-                opened: began,
-            };
-            sessions.insert(session.clone(), cached);
-            Ok((s, began))
-        }
-        Err(e) => {
-            sessions.remove(session);
-            ctx.mark_dead(session, &e.to_string(), began);
-            Err(e)
-        }
-    }
-}
-
-/// Runs a [`Work::Connect`]: the session is open (or found dead) when it returns.
-fn connect(ctx: &WorkerCtx, sessions: &mut Sessions, session: &SessionId) {
-    let outcome = if ctx.dead_cause(session).is_some() {
-        "dead"
-    } else {
-        let was_open = sessions.get(session).is_some_and(|c| c.session.is_alive());
-        match session_for(ctx, sessions, session) {
-            Ok(_) if was_open => "open",
-            Ok(_) => "opened",
-            Err(e) => {
-                // The session is marked dead: the room's first batch reports it.
-                let reason = peer_failed(session, &e);
-                tracing::warn!(%session, "{reason} (opening it ahead of a room)");
-                "failed"
-            }
-        }
-    };
-    metrics::counter!("kvx_session_preconnects_total", "outcome" => outcome).increment(1);
-}
-
-/// Posts one job: checks, gathers a staged chunk, opens the session if needed and posts the
-/// batch (its first poll queues or sends its windows). Outer error: fatal for the worker; an
-/// outcome: the job ended without a write to wait for (a peer failure also drops the cached
-/// session so the next batch reconnects).
-fn start(
-    ctx: &WorkerCtx,
-    shard: usize,
-    sessions: &mut Sessions,
-    job: &mut Job,
-) -> Result<Started, WorkerFault> {
-    if matches!(job.work, Work::Connect) {
-        connect(ctx, sessions, &job.session);
-        return Ok(Started::Connected);
-    }
-    // A job queued before its room failed is completed without any work.
-    if job.cancel.load(Ordering::Acquire) {
-        return Ok(Started::Done(Outcome::Skipped));
-    }
-    let (room, session) = (job.room, &job.session);
-    crate::timeline::stage!(room, "worker");
-    if let Some(cause) = ctx.dead_cause(session) {
-        sessions.remove(session);
-        metrics::counter!("kvx_batches_skipped_total", "reason" => "session_dead").increment(1);
-        return Ok(Started::Done(Outcome::PeerFailed(format!(
-            "Decode instance could be dead, remote session {session} is not alive ({cause})"
-        ))));
-    }
-    fail::fail_point!("kvx::transfer_worker::batch", |arg| Err(
-        WorkerFault::Injected {
-            point: "kvx::transfer_worker::batch",
-            detail: arg.unwrap_or_default(),
-        }
-    ));
-    fail::fail_point!("kvx::transfer_worker::chunk", |arg| Ok(Started::Done(
-        Outcome::RoomFailed(format!(
-            "injected per-room fault: {}",
-            arg.unwrap_or_default()
-        ))
-    )));
-    if job.cancel.load(Ordering::Acquire) {
-        // Failed (or gone) while the fault points ran: nothing to write.
-        return Ok(Started::Done(Outcome::Skipped));
-    }
-    let (s, opened) = match session_for(ctx, sessions, session) {
-        Ok(s) => s,
-        Err(e) => return Ok(Started::Done(Outcome::PeerFailed(peer_failed(session, &e)))),
-    };
-    let ops = match &mut job.work {
-        Work::Batch { ops, .. } => std::mem::take(ops),
-        Work::Stage(w) => match stage_writes(ctx, shard, w, s.gathers_sources()) {
-            Ok(ops) => ops,
-            Err(e) => {
-                return Ok(Started::Done(Outcome::RoomFailed(format!(
-                    "staging chunk {} of {room}: {e}",
-                    w.key.chunk_idx
-                ))));
-            }
-        },
-        Work::Connect => return Ok(Started::Connected),
-    };
-    let busy = ctx.busy.enter();
-    let t0 = Instant::now();
-    let mut fut = s.write_batch(ops);
-    // The first poll posts the batch (queues its windows, or sends a small one from this
-    // thread); a batch that completes at once needs no second wait.
-    let first = {
-        let _rt = ctx.rt.enter();
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        fut.as_mut().poll(&mut cx)
-    };
-    let w = Writing {
-        fut,
-        t0,
-        opened,
-        _busy: busy,
-    };
-    Ok(match first {
-        std::task::Poll::Ready(r) => Started::Done(completed(ctx, sessions, job, &w, r)),
-        std::task::Poll::Pending => Started::Writing(w),
-    })
-}
-
-/// Waits for a posted batch's completion (nothing of it can reach the decode afterwards).
-fn finish(ctx: &WorkerCtx, sessions: &mut Sessions, job: &Job, mut w: Writing) -> Outcome {
-    let r = ctx.rt.block_on(w.fut.as_mut());
-    completed(ctx, sessions, job, &w, r)
-}
-
-/// The outcome of a batch's completion `r`.
-fn completed(
-    ctx: &WorkerCtx,
-    sessions: &mut Sessions,
-    job: &Job,
-    w: &Writing,
-    r: Result<BatchReport, TransportError>,
-) -> Outcome {
-    let (room, session) = (job.room, &job.session);
-    match r {
-        Ok(report) => {
-            crate::timeline::stage!(room, "written");
-            metrics::histogram!("kvx_batch_latency_seconds").record(w.t0.elapsed().as_secs_f64());
-            metrics::counter!("kvx_transfer_batches_total").increment(1);
-            metrics::counter!("kvx_transfer_bytes_total").increment(report.bytes);
-            Outcome::Done
-        }
-        Err(e) if e.is_peer_failure() => {
-            // Not a session opened since, towards the decode's new process.
-            if sessions.get(session).is_some_and(|c| c.opened == w.opened) {
-                sessions.remove(session);
-            }
-            ctx.mark_dead(session, &e.to_string(), w.opened);
-            Outcome::PeerFailed(peer_failed(session, &e))
-        }
-        Err(e) => Outcome::RoomFailed(format!(
-            "Failed to send kv chunk of {room} to {session}: {e}"
-        )),
-    }
-}
-
-fn peer_failed(session: &SessionId, e: &TransportError) -> String {
-    metrics::counter!("kvx_session_failures_total").increment(1);
-    format!("decode session {session} failed: {e}")
-}
 
 #[cfg(test)]
 mod tests {
@@ -1125,132 +825,6 @@ mod tests {
         assert_eq!(
             m.dead_cause(&s, at(21)).as_deref(),
             Some("connection refused")
-        );
-    }
-
-    /// A job of `session` numbered `n` (its room).
-    fn job(session: &str, n: u64) -> Job {
-        Job {
-            room: Room::new(n).unwrap(),
-            session: SessionId::new(session),
-            work: Work::Connect,
-            cancel: Arc::default(),
-        }
-    }
-
-    /// `job` as posted: a batch that never completes.
-    fn posting(job: Job, busy: &Arc<BusyClock>) -> (Job, Writing) {
-        let fut: BoxFuture<'static, Result<BatchReport, TransportError>> =
-            Box::pin(std::future::pending());
-        let now = Instant::now();
-        let w = Writing {
-            fut,
-            t0: now,
-            opened: now,
-            _busy: busy.enter(),
-        };
-        (job, w)
-    }
-
-    fn rooms(held: &VecDeque<Job>) -> Vec<u64> {
-        held.iter().map(|j| j.room.get()).collect()
-    }
-
-    #[test]
-    fn a_session_at_its_depth_holds_its_own_jobs_and_no_one_else_s() {
-        let busy = Arc::new(BusyClock::default());
-        let (tx, queue) = job_queue();
-        let mut posted: VecDeque<(Job, Writing)> = (1..=DEPTH as u64)
-            .map(|n| posting(job("a:1", n), &busy))
-            .collect();
-        let mut held = VecDeque::new();
-        for (s, n) in [("a:1", 10), ("b:2", 20), ("a:1", 11), ("b:2", 21)] {
-            tx.send(job(s, n)).unwrap();
-        }
-        // `a` has DEPTH posted: its jobs are held, in order, and `b`'s pass them.
-        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
-        assert_eq!(next.room.get(), 20);
-        assert_eq!(rooms(&held), [10]);
-        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
-        assert_eq!(next.room.get(), 21);
-        assert_eq!(rooms(&held), [10, 11]);
-        assert!(matches!(
-            next_job(&queue, &posted, &mut held),
-            Err(TryRecvError::Empty)
-        ));
-        // One of `a`'s batches answered: its held jobs start in the order they were taken.
-        posted.pop_front();
-        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
-        assert_eq!(next.room.get(), 10);
-        posted.push_back(posting(next, &busy));
-        // `a` is at its depth again: 11 stays held, and a new job of `a` waits behind it.
-        tx.send(job("a:1", 12)).unwrap();
-        assert!(matches!(
-            next_job(&queue, &posted, &mut held),
-            Err(TryRecvError::Empty)
-        ));
-        assert_eq!(rooms(&held), [11, 12]);
-        posted.pop_front();
-        let next = next_job(&queue, &posted, &mut held).unwrap().unwrap();
-        assert_eq!(next.room.get(), 11);
-        posted.push_back(posting(next, &busy));
-        // The loop's end gone: seen even with a job held (the worker stops).
-        drop(tx);
-        assert!(matches!(
-            next_job(&queue, &posted, &mut held),
-            Err(TryRecvError::Disconnected)
-        ));
-    }
-
-    #[test]
-    fn posted_and_held_jobs_are_bounded() {
-        let busy = Arc::new(BusyClock::default());
-        let (tx, queue) = job_queue();
-        // MAX_POSTED batches posted over several sessions: nothing more starts.
-        let sessions = MAX_POSTED / DEPTH;
-        let mut posted: VecDeque<(Job, Writing)> = (0..MAX_POSTED as u64)
-            .map(|n| posting(job(&format!("s:{}", n as usize % sessions), n + 1), &busy))
-            .collect();
-        let mut held = VecDeque::new();
-        tx.send(job("b:2", 1000)).unwrap();
-        assert!(next_job(&queue, &posted, &mut held).unwrap().is_none());
-        // A silent session's jobs fill the held list: then nothing passes them.
-        let silent = "silent:9";
-        posted = (1..=DEPTH as u64)
-            .map(|n| posting(job(silent, n), &busy))
-            .collect();
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            1000
-        );
-        for n in 0..MAX_HELD as u64 {
-            tx.send(job(silent, 2000 + n)).unwrap();
-        }
-        tx.send(job("b:2", 1001)).unwrap();
-        assert!(next_job(&queue, &posted, &mut held).unwrap().is_none());
-        assert_eq!(held.len(), MAX_HELD);
-        // One of the silent session's batches answered: its first held job starts, and the
-        // next call may take from the queue again.
-        posted.pop_front();
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            2000
-        );
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            2001
         );
     }
 }

@@ -116,8 +116,13 @@ fn caught(m: Mutant, inv: Inv) {
 
 /// `m` is caught in the first 256 seeds, first by one of `invs`.
 fn caught_as(m: Mutant, invs: &[Inv]) {
-    let hit = (0..256).find_map(|seed| run_seed(seed, Some(m)).violations.first().cloned());
-    let v = hit.unwrap_or_else(|| panic!("mutant {} not caught in 256 seeds", m.name()));
+    caught_within(m, invs, 256);
+}
+
+/// `m` is caught in the first `seeds` seeds, first by one of `invs`.
+fn caught_within(m: Mutant, invs: &[Inv], seeds: u64) {
+    let hit = (0..seeds).find_map(|seed| run_seed(seed, Some(m)).violations.first().cloned());
+    let v = hit.unwrap_or_else(|| panic!("mutant {} not caught in {seeds} seeds", m.name()));
     assert!(invs.contains(&v.inv), "mutant {}: {v}", m.name());
 }
 
@@ -133,7 +138,8 @@ fn late_write_is_caught() {
 
 #[test]
 fn any_instance_is_caught() {
-    caught(Mutant::AnyInstance, Inv::WriteInOwnedPage);
+    // Rarer since a connect holds only its session's jobs, not its worker: first at seed 376.
+    caught_within(Mutant::AnyInstance, &[Inv::WriteInOwnedPage], 512);
 }
 
 #[test]

@@ -7,16 +7,17 @@
 //! cancel flag (set by the core) is up when it takes it, and reporting each job to the core once
 //! the data plane answered it (the engine answers a session's batches in post order; reporting
 //! each at once is a superset of those timings: the data plane's answers are delayed at
-//! random). A `Work::Connect` holds its worker for a handshake (two round
-//! trips of the data plane) while it takes nothing else, and is not reported. A worker hit by a
-//! fatal fault stops taking jobs, answers what it posted, then reports its death; the core
-//! restarts it or buries its shard.
+//! random). A `Work::Connect` holds its session's later jobs for a handshake (two round trips
+//! of the data plane) while other sessions' jobs go on, and is not reported. A worker hit by a
+//! fatal fault stops taking jobs, answers what it posted and waits for its handshakes, then
+//! reports its death; the core restarts it or buries its shard. (A batch towards a session not
+//! open opens it at once here; the engine opens it first, as for a `Work::Connect`.)
 //!
 //! The workers' dead-session marks are kvx-engine's real [`SessionMarks`], one per prefill
 //! process shared by its shards (as the engine's workers share theirs), with the seed's
 //! failed-session TTL: a peer failure of a job (a lost batch, a failed connect) marks its
 //! session with `began` = when the data session it went on was opened (as the engine's
-//! `completed` and `session_for` do), a job whose session is marked is reported
+//! `completed` and `opened` do), a job whose session is marked is reported
 //! `Outcome::PeerFailed` without a write, and the core's `Output::Revive` (a registration)
 //! clears the mark. Each shard caches its data sessions as the engine's worker does (opened
 //! anew once idle [`SESSION_IDLE`], after its session registered again, or after a peer
@@ -84,8 +85,9 @@ struct Shard {
     dead: bool,
     /// A pump of this shard is scheduled.
     pump: bool,
-    /// The `Work::Connect` whose handshake the worker waits for (it takes nothing meanwhile).
-    connecting: Option<Connecting>,
+    /// The `Work::Connect`s whose handshake the worker waits for, by session (the session's
+    /// later jobs wait for it; other sessions' go on).
+    connecting: BTreeMap<SessionId, Connecting>,
     /// The worker's open data sessions.
     sessions: BTreeMap<SessionId, Cached>,
 }
@@ -257,7 +259,7 @@ impl World {
             let Some(s) = w.shards.get_mut(shard) else {
                 return;
             };
-            if s.dying || s.dead || s.alone || s.connecting.is_some() || s.posted >= MAX_POSTED {
+            if s.dying || s.dead || s.alone || s.posted + s.connecting.len() >= MAX_POSTED {
                 return;
             }
             // The engine's `next_job`: the first job in queue order that may start — its
@@ -273,13 +275,14 @@ impl World {
                     break;
                 };
                 if job.work.uses_staging_buffer() {
-                    if s.posted == 0 {
+                    if s.posted == 0 && s.connecting.is_empty() {
                         pick = Some(i);
                     }
                     break;
                 }
                 let posted = s.posted_to.get(&job.session).copied().unwrap_or(0);
-                if !waiting.contains(&&job.session) && posted < DEPTH {
+                let opening = s.connecting.contains_key(&job.session);
+                if !waiting.contains(&&job.session) && !opening && posted < DEPTH {
                     pick = Some(i);
                     break;
                 }
@@ -306,13 +309,11 @@ impl World {
             self.dequeued(p, id, room);
             if connect {
                 // The worker opens its session unless it is marked dead or open (a handshake:
-                // two round trips of the data plane), taking nothing else meanwhile; it
-                // reports nothing.
+                // two round trips of the data plane), while the session's later jobs wait and
+                // other sessions' go on; it reports nothing.
                 if let Some((_, job)) = self.prefills[p as usize].workers.jobs.remove(&id) {
                     self.stats.preconnects += 1;
-                    if self.worker_connect(p, shard, id, &job) {
-                        return;
-                    }
+                    self.worker_connect(p, shard, id, &job);
                 }
                 continue;
             }
@@ -362,25 +363,25 @@ impl World {
         }
     }
 
-    /// The engine's `connect` for `Work::Connect` `id` on `shard`: nothing when its session is
-    /// marked dead or open (true: the worker goes on taking jobs), else a handshake that holds
-    /// the worker (false) and ends in [`World::worker_connected`].
-    fn worker_connect(&mut self, p: u32, shard: usize, id: u64, job: &Job) -> bool {
+    /// The engine's `Work::Connect` `id` on `shard`: nothing when its session is marked dead or
+    /// open, else a handshake that holds the session's later jobs (not the worker) and ends in
+    /// [`World::worker_connected`].
+    fn worker_connect(&mut self, p: u32, shard: usize, id: u64, job: &Job) {
         let (now, at_now) = (self.clock.now(), self.clock.instant());
         let session = &job.session;
         let w = &mut self.prefills[p as usize].workers;
         if w.marks.dead_cause(session, at_now).is_some() {
-            return false;
+            return;
         }
         let Some(s) = w.shards.get_mut(shard) else {
-            return false;
+            return;
         };
         if let Some(c) = s.sessions.get_mut(session) {
             let open = now.saturating_sub(c.used) < SESSION_IDLE.as_nanos() as Nanos
                 && !w.marks.revived_since(session, self.clock.at(c.opened));
             if open {
                 c.used = now;
-                return false;
+                return;
             }
         }
         // The open reaches the decode at the address now, or finds it down; an id naming an
@@ -409,17 +410,17 @@ impl World {
         }
         let n = &mut self.prefills[p as usize];
         if let Some(s) = n.workers.shards.get_mut(shard) {
-            s.connecting = Some(Connecting {
+            let c = Connecting {
                 id,
                 session: session.clone(),
                 room: job.room,
                 began: now,
                 failure,
-            });
+            };
+            s.connecting.insert(session.clone(), c);
         }
         let inc = n.inc;
         self.schedule(at, Ev::Connected { p, inc, shard, id });
-        true
     }
 
     /// Posts job `id` to the data plane (a staged chunk gathered first).
@@ -429,7 +430,7 @@ impl World {
             return;
         };
         let (room, session) = (job.room, job.session.clone());
-        // The engine's `session_for`: the shard's cached session unless it idled out or its
+        // The engine's `cached`: the shard's cached session unless it idled out or its
         // decode registered again since it was opened, else a fresh one.
         let now = self.clock.now();
         let w = &mut self.prefills[p as usize].workers;
@@ -576,7 +577,7 @@ impl World {
                 }
             }
             s.alone = false;
-            died = s.dying && s.posted == 0;
+            died = s.dying && s.posted == 0 && s.connecting.is_empty();
             if matches!(a.result, BatchResult::Lost(_)) {
                 // The engine's `completed`: the session is dropped unless it is one opened
                 // since, towards the decode's new process.
@@ -622,7 +623,7 @@ impl World {
             return;
         }
         s.dying = true;
-        if s.posted == 0 {
+        if s.posted == 0 && s.connecting.is_empty() {
             self.worker_died(p, shard);
         }
     }
@@ -659,12 +660,18 @@ impl World {
         let Some(s) = n.workers.shards.get_mut(shard) else {
             return;
         };
-        if s.connecting.as_ref().is_none_or(|c| c.id != id) {
-            return;
-        }
-        let Some(c) = s.connecting.take() else {
+        let Some(session) = s
+            .connecting
+            .iter()
+            .find(|(_, c)| c.id == id)
+            .map(|(k, _)| k.clone())
+        else {
             return;
         };
+        let Some(c) = s.connecting.remove(&session) else {
+            return;
+        };
+        let died = s.dying && s.posted == 0 && s.connecting.is_empty();
         match &c.failure {
             None => {
                 let now = self.clock.now();
@@ -675,7 +682,7 @@ impl World {
                 s.sessions.insert(c.session.clone(), cached);
             }
             Some(cause) => {
-                // The engine's `session_for`: a failed open marks the session dead (unless it
+                // The engine's `opened`: a failed open marks the session dead (unless it
                 // registered again since the open began); the room's first batch reports it.
                 s.sessions.remove(&c.session);
                 self.stats.failed_connects += 1;
@@ -683,7 +690,11 @@ impl World {
                 self.note_peer_failure(p, &c.session, c.room);
             }
         }
-        self.schedule_pump(p, shard);
+        if died {
+            self.worker_died(p, shard);
+        } else {
+            self.schedule_pump(p, shard);
+        }
     }
 
     /// `Output::RestartWorker`: a fresh worker takes the shard's queue.
@@ -691,7 +702,7 @@ impl World {
         self.stats.worker_restarts += 1;
         if let Some(s) = self.prefills[p as usize].workers.shards.get_mut(shard) {
             s.dying = false;
-            s.connecting = None;
+            s.connecting.clear();
             // A fresh thread: no open data session.
             s.sessions.clear();
         }
