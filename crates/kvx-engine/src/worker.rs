@@ -496,7 +496,8 @@ fn worker_loop<R: From<Report>>(
             )
             .is_ok()
     };
-    loop {
+    // The job a fatal fault struck, and the fault.
+    let (job, fault) = 'run: loop {
         if ctx.stop.load(Ordering::Relaxed) {
             // Jobs held, like those still queued, are not reported: the loop is stopping.
             drain(ctx, shard, &mut sessions, &mut posted, &report);
@@ -532,16 +533,7 @@ fn worker_loop<R: From<Report>>(
                 Ok(Err(fault)) => fault,
                 Err(p) => WorkerFault::from_panic(p.as_ref()),
             };
-            return die(
-                ctx,
-                shard,
-                &mut sessions,
-                &mut posted,
-                held,
-                &report,
-                job,
-                fault,
-            );
+            break 'run (job, fault);
         }
         match poll_posted(ctx, shard, &mut sessions, &mut posted, &waker) {
             Polled::Done(job, outcome) => {
@@ -552,18 +544,7 @@ fn worker_loop<R: From<Report>>(
                 continue;
             }
             Polled::Moved => continue,
-            Polled::Panicked(job, fault) => {
-                return die(
-                    ctx,
-                    shard,
-                    &mut sessions,
-                    &mut posted,
-                    held,
-                    &report,
-                    job,
-                    fault,
-                );
-            }
+            Polled::Panicked(job, fault) => break 'run (job, fault),
             Polled::Pending => {}
         }
         if progressed {
@@ -577,24 +558,10 @@ fn worker_loop<R: From<Report>>(
             ctx.stage_bufs
                 .release_idle(shard, &ctx.plane, Instant::now());
         }
-    }
-}
-
-/// Dying on `fault` (while starting or awaiting `job`): what is posted is answered first
-/// (nothing of it reaches the decode after its report), then the death is reported with the
-/// jobs held. `None` when the loop is gone.
-#[allow(clippy::too_many_arguments)]
-fn die(
-    ctx: &WorkerCtx,
-    shard: usize,
-    sessions: &mut Sessions,
-    posted: &mut Posted,
-    held: VecDeque<Job>,
-    report: &impl Fn(Job, Outcome) -> bool,
-    job: Job,
-    fault: WorkerFault,
-) -> Option<Death> {
-    if !drain(ctx, shard, sessions, posted, report) {
+    };
+    // Dying: what is in flight is answered first (nothing of it reaches the decode after its
+    // report), then the death is reported with the jobs held.
+    if !drain(ctx, shard, &mut sessions, &mut posted, &report) {
         return None;
     }
     Some(Death {

@@ -3,9 +3,6 @@
 //! session idled out) is off the room's transfer window. A real ZMQ decode inbox and a real TCP
 //! listener stand in for the decode; the listener counts every connect.
 
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvx_bootstrap::sockets::zmq;
@@ -31,19 +28,8 @@ fn metadata_opens_the_data_session_before_the_first_chunk() {
     let engine = PrefillEngine::start(cfg, prefill_memory(&layout), rt.handle().clone()).unwrap();
 
     // The decode's data plane: counts connects and holds them (their handshake waits).
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let data_addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-    {
-        let (accepted, held) = (accepted.clone(), held.clone());
-        std::thread::spawn(move || {
-            for s in listener.incoming().flatten() {
-                accepted.fetch_add(1, Ordering::SeqCst);
-                held.lock().unwrap().push(s);
-            }
-        });
-    }
+    let data = common::SilentPort::start();
+    let data_addr = data.addr;
     // The decode's control plane.
     let ctx = zmq::Context::new();
     let decode = common::FakeDecodeInbox::new(&ctx, engine.endpoint());
@@ -53,7 +39,7 @@ fn metadata_opens_the_data_session_before_the_first_chunk() {
     decode.send(wire::encode_registration(&reg).unwrap());
     // Registering opens nothing: which queue carries a room is known from its metadata.
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(accepted.load(Ordering::SeqCst), 0);
+    assert_eq!(data.accepted(), 0);
 
     // Two rooms on the two queues (the queue is the session's port plus the room, modulo 2).
     let port = u64::from(data_addr.port());
@@ -68,12 +54,12 @@ fn metadata_opens_the_data_session_before_the_first_chunk() {
     }
     // No chunk was handed over, yet each queue's worker has connected.
     common::wait_until(Duration::from_secs(30), "a connect per queue", || {
-        accepted.load(Ordering::SeqCst) == 2
+        data.accepted() == 2
     });
     for room in rooms {
         assert_eq!(engine.poll(room), Some(KVPoll::WaitingForInput));
     }
     // The decode goes away: the held handshakes end and the engine shuts down cleanly.
-    held.lock().unwrap().clear();
+    data.held.lock().unwrap().clear();
     engine.shutdown();
 }

@@ -5,10 +5,8 @@
 //! decode's data port is a real TCP listener that holds its connections; the second decode's is
 //! kvx's real tcp receiver over registered memory, whose bytes are checked.
 
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use kvx_bootstrap::sockets::zmq;
 use kvx_core::{Chunk, DecodeRegistration, KVPoll, PageSlice, Room, SessionId};
@@ -21,12 +19,8 @@ use kvx_engine::wire::{self, DecodeInbound};
 
 mod common;
 
-fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "hang guard: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+fn wait(what: &str, f: impl FnMut() -> bool) {
+    common::wait_until(Duration::from_secs(30), what, f);
 }
 
 #[test]
@@ -53,19 +47,8 @@ fn a_silent_data_port_does_not_hold_another_decodes_room() {
     let ctx = zmq::Context::new();
 
     // The silent decode: its data port accepts and holds every connection.
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let silent_addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-    {
-        let (accepted, held) = (accepted.clone(), held.clone());
-        std::thread::spawn(move || {
-            for s in listener.incoming().flatten() {
-                accepted.fetch_add(1, Ordering::SeqCst);
-                held.lock().unwrap().push(s);
-            }
-        });
-    }
+    let port = common::SilentPort::start();
+    let silent_addr = port.addr;
     let silent = common::FakeDecodeInbox::new(&ctx, engine.endpoint());
     let silent_session = SessionId::new(silent_addr.to_string());
     let reg = common::decode_registration(&layout, &silent.me, &silent_session);
@@ -108,9 +91,7 @@ fn a_silent_data_port_does_not_hold_another_decodes_room() {
     // The stuck room's batch waits for its session's handshake, which never comes.
     engine.init_room(stuck, 2, 0).unwrap();
     engine.send(stuck, chunk.clone()).unwrap();
-    wait("the silent decode's connect", || {
-        accepted.load(Ordering::SeqCst) >= 1
-    });
+    wait("the silent decode's connect", || port.accepted() >= 1);
     // The other decode's room, behind it on the same worker, is written meanwhile.
     engine.init_room(served, 2, 0).unwrap();
     engine.send(served, chunk).unwrap();
@@ -152,5 +133,5 @@ fn a_silent_data_port_does_not_hold_another_decodes_room() {
     wait("the silent decode's room", || {
         matches!(engine.poll(stuck), Some(KVPoll::Failed) | None)
     });
-    drop(held);
+    drop(port);
 }

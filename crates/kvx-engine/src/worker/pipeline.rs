@@ -506,6 +506,11 @@ mod tests {
         (job, Slot::Writing(w))
     }
 
+    /// The room of the job [`next_job`] gives.
+    fn next_room(queue: &JobQueue, posted: &Posted, held: &mut VecDeque<Job>) -> u64 {
+        next_job(queue, posted, held).unwrap().unwrap().room.get()
+    }
+
     fn rooms(held: &VecDeque<Job>) -> Vec<u64> {
         held.iter().map(|j| j.room.get()).collect()
     }
@@ -573,14 +578,7 @@ mod tests {
         posted = (1..=DEPTH as u64)
             .map(|n| posting(job(silent, n), &busy))
             .collect();
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            1000
-        );
+        assert_eq!(next_room(&queue, &posted, &mut held), 1000);
         for n in 0..MAX_HELD as u64 {
             tx.send(job(silent, 2000 + n)).unwrap();
         }
@@ -590,21 +588,7 @@ mod tests {
         // One of the silent session's batches answered: its first held job starts, and the
         // next call may take from the queue again.
         posted.pop_front();
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            2000
-        );
-        assert_eq!(
-            next_job(&queue, &posted, &mut held)
-                .unwrap()
-                .unwrap()
-                .room
-                .get(),
-            2001
-        );
+        assert_eq!(next_room(&queue, &posted, &mut held), 2000);
+        assert_eq!(next_room(&queue, &posted, &mut held), 2001);
     }
 }

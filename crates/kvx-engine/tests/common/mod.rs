@@ -2,7 +2,9 @@
 //! prefill rank registered.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_bootstrap::http::{BootstrapClient, BootstrapServer, RetryPolicy, ServerConfig};
@@ -24,6 +26,44 @@ pub fn wait_until(guard: Duration, what: &str, mut f: impl FnMut() -> bool) {
     while !f() {
         assert!(t0.elapsed() < guard, "hang guard: {what}");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A decode's data port that takes every connection and answers nothing (a handshake towards it
+/// hangs until the sender's connect timeout): it counts the connections and holds them.
+pub struct SilentPort {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Connections taken so far.
+    pub accepted: Arc<AtomicUsize>,
+    /// The connections, open until cleared (or the port dropped).
+    pub held: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl SilentPort {
+    /// Binds a loopback port and starts taking connections.
+    pub fn start() -> SilentPort {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (a, h) = (accepted.clone(), held.clone());
+        std::thread::spawn(move || {
+            for s in listener.incoming().flatten() {
+                a.fetch_add(1, Ordering::SeqCst);
+                h.lock().unwrap().push(s);
+            }
+        });
+        SilentPort {
+            addr,
+            accepted,
+            held,
+        }
+    }
+
+    /// Connections taken so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 }
 

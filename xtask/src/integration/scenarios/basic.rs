@@ -32,16 +32,7 @@ pub fn happy_tp1(ctx: &mut Ctx) -> Result<Verdict> {
         return Ok(v);
     }
     let model = Model::new("llama3-8b", 160);
-    let boot = common::bootstrap(ctx, 0)?;
-    let p = common::prefill(
-        ctx,
-        "prefill",
-        0,
-        boot.addr,
-        &model,
-        0,
-        &PrefillOpts::default(),
-    )?;
+    let (boot, p) = common::bootstrap_and_prefill(ctx, &model)?;
     let mut o = DecodeOpts::new(common::sized(ctx, 16, 200), 128);
     o.tokens_max = Some(384);
     let mut d = common::decode(ctx, "decode", 1, boot.addr, &model, &o)?;

@@ -182,6 +182,21 @@ pub fn prefill(
     })
 }
 
+/// `kvx bootstrap` on host 0 and a prefill rank 0 of `model` beside it, with default options.
+pub fn bootstrap_and_prefill(ctx: &Ctx, model: &Model) -> Result<(Bootstrap, Prefill)> {
+    let boot = bootstrap(ctx, 0)?;
+    let p = prefill(
+        ctx,
+        "prefill",
+        0,
+        boot.addr,
+        model,
+        0,
+        &PrefillOpts::default(),
+    )?;
+    Ok((boot, p))
+}
+
 /// What a decode peer runs.
 #[derive(Debug, Clone)]
 pub struct DecodeOpts {

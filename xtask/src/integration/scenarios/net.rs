@@ -15,6 +15,13 @@ use crate::integration::{Ctx, Verdict};
 /// Port of the transparent delay proxy inside each host.
 const PROXY_PORT: u16 = 20999;
 
+/// SKIP on a loopback run: these faults need separate hosts.
+fn no_hosts(ctx: &Ctx) -> Option<Verdict> {
+    ctx.topology().is_none().then(|| {
+        Verdict::Skip("needs separate hosts (network namespaces); this is a loopback run".into())
+    })
+}
+
 /// Starts a transparent proxy in host `i` delaying every byte by `delay`, and redirects new
 /// connections from host `from` to it.
 fn delay_link(ctx: &Ctx, i: usize, from: usize, delay: Duration) -> Result<FaultProxy> {
@@ -32,10 +39,8 @@ fn delay_link(ctx: &Ctx, i: usize, from: usize, delay: Duration) -> Result<Fault
 /// proxy), 1 % random drop each way, a 400 Mbit/s cap and a one-second stall once bytes flow:
 /// every room terminal, bytes verified.
 pub fn lossy_link(ctx: &mut Ctx) -> Result<Verdict> {
-    if ctx.topology().is_none() {
-        return Ok(Verdict::Skip(
-            "needs separate hosts (network namespaces); this is a loopback run".into(),
-        ));
+    if let Some(v) = no_hosts(ctx) {
+        return Ok(v);
     }
     if let Some(v) = super::need(
         ctx,
@@ -48,16 +53,7 @@ pub fn lossy_link(ctx: &mut Ctx) -> Result<Verdict> {
         return Ok(v);
     }
     let model = Model::new("llama3-8b", 96);
-    let boot = common::bootstrap(ctx, 0)?;
-    let p = common::prefill(
-        ctx,
-        "prefill",
-        0,
-        boot.addr,
-        &model,
-        0,
-        &PrefillOpts::default(),
-    )?;
+    let (boot, p) = common::bootstrap_and_prefill(ctx, &model)?;
     let (px0, px1) = {
         let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
         t.set_loss(0, 1, 1.0)?;
@@ -107,10 +103,8 @@ pub fn lossy_link(ctx: &mut Ctx) -> Result<Verdict> {
 /// rooms within its heartbeat window, the prefill's in-flight rooms end within its bounds; after
 /// the link is restored, new rooms succeed.
 pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
-    if ctx.topology().is_none() {
-        return Ok(Verdict::Skip(
-            "needs separate hosts (network namespaces); this is a loopback run".into(),
-        ));
+    if let Some(v) = no_hosts(ctx) {
+        return Ok(v);
     }
     if let Some(v) = super::need(
         ctx,
@@ -205,10 +199,8 @@ pub fn partition(ctx: &mut Ctx) -> Result<Verdict> {
 /// its first failure of a silent decode's room. Afterwards every room of the other decode is
 /// verified and the prefill holds no room entries.
 pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
-    if ctx.topology().is_none() {
-        return Ok(Verdict::Skip(
-            "needs separate hosts (network namespaces); this is a loopback run".into(),
-        ));
+    if let Some(v) = no_hosts(ctx) {
+        return Ok(v);
     }
     if let Some(v) = super::need(
         ctx,
@@ -222,16 +214,7 @@ pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
         return Ok(v);
     }
     let model = Model::new("llama3-8b", 160);
-    let boot = common::bootstrap(ctx, 0)?;
-    let p = common::prefill(
-        ctx,
-        "prefill",
-        0,
-        boot.addr,
-        &model,
-        0,
-        &PrefillOpts::default(),
-    )?;
+    let (boot, p) = common::bootstrap_and_prefill(ctx, &model)?;
     // The silent one: 8 rooms of 256 tokens in flight at a time, so that every worker holds
     // its batches when the link goes.
     let mut vo = DecodeOpts::new(400, 256);
