@@ -255,6 +255,7 @@ pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
     let (at_fail, took) = common::wait_metrics(ctx, 0, p.metrics, Duration::from_secs(40), |m| {
         failed(m) > failed(&base)
     })?;
+    let failed_after = took.map(|_| cut.elapsed());
     let served = success(&at_fail) - success(&base);
     let victim_end = victim.finish(Duration::from_secs(60));
     let t = ctx.topology().ok_or_else(|| anyhow::anyhow!("no hosts"))?;
@@ -263,7 +264,8 @@ pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
     let left = common::drained(ctx, &p, Duration::from_secs(30))?;
     let figures = format!(
         "first silent-decode room failed {} after the cut; rooms completed meanwhile {served}; silent decode {}; other decode exit {code}, {}; room entries left {left}",
-        took.map(|d| format!("{:.1} s", (d + Duration::from_millis(500)).as_secs_f64()))
+        failed_after
+            .map(|d| format!("{:.1} s", d.as_secs_f64()))
             .unwrap_or("never (40 s)".into()),
         match &victim_end {
             Ok((c, v)) => format!("exit {c}, {} failed of {}", v.failed, v.requests),
@@ -271,7 +273,6 @@ pub fn silent_decode(ctx: &mut Ctx) -> Result<Verdict> {
         },
         s.figures(),
     );
-    let _ = cut;
     let checks = [
         (
             took.is_some(),
