@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvx_bootstrap::sockets::zmq;
 use kvx_core::{Chunk, KVPoll, PageSlice, Room, SessionId};
-use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::engine::PrefillEngine;
 use kvx_engine::model::ModelPreset;
 use kvx_engine::synthetic::prefill_memory;
 use kvx_engine::wire::{self, DecodeInbound};
@@ -33,13 +33,7 @@ fn rooms_of_a_dead_session_fail_at_once_without_reconnecting() {
     let mem = prefill_memory(&layout);
     // One queue and one connection per session: the second room's batch waits behind the first.
     // kvx's tcp backend, so that each session open is one connect (`auto` probes first).
-    let cfg = PrefillConfig {
-        queues: 1,
-        connections: 1,
-        backend: kvx_engine::plane::Backend::Tcp,
-        total_kv_heads: layout.total_kv_heads,
-        ..PrefillConfig::default()
-    };
+    let cfg = common::tcp_prefill_config(&layout, 1);
     let engine = PrefillEngine::start(cfg, mem, rt.handle().clone()).unwrap();
 
     // The decode's data plane: holds the first connection open (its handshake waits) until

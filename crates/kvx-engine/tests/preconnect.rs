@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvx_bootstrap::sockets::zmq;
 use kvx_core::{KVPoll, Room, SessionId};
-use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::engine::PrefillEngine;
 use kvx_engine::model::ModelPreset;
 use kvx_engine::synthetic::prefill_memory;
 use kvx_engine::wire;
@@ -18,13 +18,7 @@ mod common;
 fn metadata_opens_the_data_session_before_the_first_chunk() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
-    let cfg = PrefillConfig {
-        queues: 2,
-        connections: 1,
-        backend: kvx_engine::plane::Backend::Tcp,
-        total_kv_heads: layout.total_kv_heads,
-        ..PrefillConfig::default()
-    };
+    let cfg = common::tcp_prefill_config(&layout, 2);
     let engine = PrefillEngine::start(cfg, prefill_memory(&layout), rt.handle().clone()).unwrap();
 
     // The decode's data plane: counts connects and holds them (their handshake waits).

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use kvx_bootstrap::sockets::zmq;
 use kvx_core::{Chunk, DecodeRegistration, KVPoll, PageSlice, Room, SessionId};
-use kvx_engine::engine::{PrefillConfig, PrefillEngine};
+use kvx_engine::engine::PrefillEngine;
 use kvx_engine::model::ModelPreset;
 use kvx_engine::plane::DataPlane;
 use kvx_engine::region::Region;
@@ -29,13 +29,7 @@ fn a_silent_data_port_does_not_hold_another_decodes_room() {
     let layout = ModelPreset::Tiny.layout(1, 0, 16, 64);
     let mem = prefill_memory(&layout);
     // One transfer queue: both decodes' rooms go through the same worker.
-    let cfg = PrefillConfig {
-        queues: 1,
-        connections: 1,
-        backend: kvx_engine::plane::Backend::Tcp,
-        total_kv_heads: layout.total_kv_heads,
-        ..PrefillConfig::default()
-    };
+    let cfg = common::tcp_prefill_config(&layout, 1);
     // Source pages 0 and 1 of every buffer carry a pattern the live decode must receive.
     for (buf, &src) in mem.kv_ptrs.iter().enumerate() {
         let bytes: Vec<u8> = (0..2 * layout.item_len)

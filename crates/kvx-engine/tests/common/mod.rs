@@ -67,6 +67,18 @@ impl SilentPort {
     }
 }
 
+/// A prefill rank of `layout` on kvx's `tcp` data plane (one connect per session open, no
+/// probe as `auto` makes) with `queues` transfer queues and one connection per session.
+pub fn tcp_prefill_config(layout: &KvLayout, queues: usize) -> kvx_engine::engine::PrefillConfig {
+    kvx_engine::engine::PrefillConfig {
+        queues,
+        connections: 1,
+        backend: kvx_engine::plane::Backend::Tcp,
+        total_kv_heads: layout.total_kv_heads,
+        ..kvx_engine::engine::PrefillConfig::default()
+    }
+}
+
 /// A bootstrap server on a free loopback port, and the port.
 pub fn bootstrap_server(rt: &tokio::runtime::Runtime) -> (BootstrapServer, u16) {
     let server = rt
